@@ -1,0 +1,46 @@
+"""``python -m minidist.bench {p2p,launch}`` -- see each module's docstring."""
+
+from __future__ import annotations
+
+import argparse
+
+from ._util import MIB
+
+
+def parse_size(text: str) -> int:
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "b": 1}
+    lowered = text.strip().lower()
+    for unit in sorted(units, key=len, reverse=True):
+        if lowered.endswith(unit):
+            return int(float(lowered[: -len(unit)]) * units[unit])
+    return int(lowered)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m minidist.bench", description=__doc__)
+    sub = parser.add_subparsers(dest="bench", required=True)
+    p2p = sub.add_parser("p2p", help="latency and bandwidth of each transport vs torch.distributed gloo")
+    p2p.add_argument("--max-size", type=parse_size, default=256 * MIB, help="largest message (default 256MiB)")
+    p2p.add_argument("--transports", nargs="+", default=["pipe", "shm", "torch"])
+    p2p.add_argument("--repeats", type=int, default=3)
+    p2p.add_argument("--scale", type=float, default=1.0, help="multiply the iteration counts")
+    p2p.add_argument("--out", default=None, help="folder for the JSON and the plot (default bench-results/)")
+    p2p.add_argument("--no-plot", action="store_true")
+    start = sub.add_parser("launch", help="time to start N workers, barrier and return, vs torch.multiprocessing.spawn")
+    start.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
+    start.add_argument("--repeats", type=int, default=5)
+    start.add_argument("--out", default=None)
+    start.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(argv)
+    if args.bench == "p2p":
+        from . import p2p as bench
+
+        bench.run(args.max_size, tuple(args.transports), args.repeats, args.out, not args.no_plot, args.scale)
+    else:
+        from . import launch as bench
+
+        bench.run(args.world_sizes, args.repeats, args.out, not args.no_plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Transports: point-to-point ``send``/``recv`` written from scratch.
+
+========  ==========================================  =====================
+name      how bytes move                              reaches
+========  ==========================================  =====================
+"pipe"    OS pipes, one per ordered pair of ranks     one machine
+"shm"     shared-memory mailboxes, no system calls    one machine
+"torch"   torch.distributed (gloo: TCP, NCCL: GPU)    several machines
+========  ==========================================  =====================
+
+Each transport is a ``Communicator`` subclass; ``setup`` (in the launcher) and
+``connect`` (in the worker) are the two halves of building one.
+"""
+
+from __future__ import annotations
+
+from .pipe import PipeComm, allocate_pipes, resources_for_rank
+from .shm import ShmComm, allocate_mailboxes
+from .torch_dist import TorchComm
+
+TRANSPORTS = ("pipe", "shm", "torch")
+
+
+def setup(transport: str, world_size: int):
+    """Launcher side: create what the ranks will share. Returns (shared, keepalive)."""
+    if transport == "pipe":
+        return allocate_pipes(world_size), None
+    if transport == "shm":
+        return allocate_mailboxes(world_size), None
+    if transport == "torch":
+        import torch.distributed as dist
+
+        # The launcher hosts the rendezvous store on an OS-assigned port: no port races.
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        return {"host": "127.0.0.1", "port": store.port}, store
+    raise ValueError(f"unknown transport {transport!r}; choose one of {TRANSPORTS}")
+
+
+def share_with_rank(transport: str, shared, rank: int, world_size: int):
+    """The part of ``shared`` that rank ``rank`` needs (sent to its process)."""
+    if transport == "pipe":
+        return resources_for_rank(shared, rank, world_size)
+    if transport == "shm":
+        boxes = shared["boxes"]
+        mine = {pair: box for pair, box in boxes.items() if rank in pair}
+        return {**shared, "boxes": mine}
+    return shared
+
+
+def connect(transport: str, rank: int, world_size: int, resources, local_rank, device, timeout):
+    """Worker side: build this rank's communicator."""
+    classes = {"pipe": PipeComm, "shm": ShmComm, "torch": TorchComm}
+    return classes[transport](rank, world_size, resources, local_rank=local_rank, device=device, timeout=timeout)
+
+
+__all__ = ["TRANSPORTS", "PipeComm", "ShmComm", "TorchComm", "setup", "share_with_rank", "connect"]
