@@ -336,10 +336,7 @@ class Communicator:
     # --- the protocol on top of the subclass' three methods ------------------
     def _do_send(self, kind: int, tensor: torch.Tensor | None, dst: int) -> None:
         header = encode_header(kind, tensor)
-        if tensor is None:
-            payload = torch.empty(0, dtype=torch.uint8)
-        else:
-            payload = self._payload_of(tensor)
+        payload = torch.empty(0, dtype=torch.uint8) if tensor is None else self._payload_of(tensor)
         self._send_message(header, payload, dst)
         self._count(True, payload.numel())
 
@@ -362,7 +359,11 @@ class Communicator:
             self._recv_payload(torch.empty(0, dtype=torch.uint8), header, src)
         else:
             direct = tensor.is_contiguous() and (self.supports_cuda or not tensor.is_cuda)
-            target = tensor if direct else torch.empty_like(tensor, device=self._staging(tensor))
+            target = (
+                tensor
+                if direct
+                else torch.empty(tensor.shape, dtype=tensor.dtype, device=self._staging(tensor))
+            )
             self._recv_payload(as_bytes(target.detach()), header, src)
             if not direct:
                 with torch.no_grad():

@@ -47,8 +47,9 @@ import threading
 import time
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.multiprocessing as torch_mp
@@ -84,11 +85,31 @@ def _die_with_parent() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
+def _release_fork_server() -> None:
+    """Drop our copy of the fork server's "alive" pipe.
+
+    multiprocessing hands every forked worker the write end of that pipe; the
+    fork server exits when all write ends are closed. If workers keep theirs,
+    a launcher killed with SIGKILL leaves fork server and workers keeping each
+    other alive forever. Without it, the fork server exits with the launcher
+    and PR_SET_PDEATHSIG then kills the workers.
+    """
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        server._forkserver_alive_fd = None
+
+
 def _worker_main(spec: WorkerSpec, fn, args, kwargs, result_conn, resources, out_conn, err_conn):
     os.environ[_ENV_WORKER] = "1"
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # our own process group: the launcher kills the whole group
     _die_with_parent()
+    _release_fork_server()
     if spec.forward_output:
         os.dup2(out_conn.fileno(), 1)
         os.dup2(err_conn.fileno(), 2)
@@ -120,9 +141,12 @@ def _worker_main(spec: WorkerSpec, fn, args, kwargs, result_conn, resources, out
                 f"({error}); return tensors, numbers, lists or dicts of them"
             ) from error
     except BaseException as error:  # SystemExit and KeyboardInterrupt too: report, don't vanish
-        message = b"E" + json.dumps(
-            {"type": type(error).__name__, "message": str(error), "traceback": traceback.format_exc()}
-        ).encode()
+        message = (
+            b"E"
+            + json.dumps(
+                {"type": type(error).__name__, "message": str(error), "traceback": traceback.format_exc()}
+            ).encode()
+        )
     result_conn.send_bytes(message)
     result_conn.close()
     if comm is not None:
@@ -365,7 +389,9 @@ def launch(
         raise TypeError(f"args must be a tuple of extra arguments, got {type(args).__name__}")
     torchrun = transports.torch_dist.torchrun_environment()
     if torchrun is not None and _ENV_WORKER not in os.environ:
-        return _launch_under_torchrun(fn, world_size, tuple(args), kwargs, transport, timeout, device, torchrun)
+        return _launch_under_torchrun(
+            fn, world_size, tuple(args), kwargs, transport, timeout, device, torchrun
+        )
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     _check_function(fn, start_method)
@@ -479,7 +505,9 @@ def _wait_for_results(processes, readers, timeout, stack_dir) -> list:
             wait_for = max(0.0, first_failure_at + _FAILURE_GRACE - now)
         if wait_for is not None and wait_for <= 0 and first_failure_at is None:
             stuck = sorted(pending)
-            stacks = _collect_stacks(processes, stuck, [f"{stack_dir}/rank{r}.txt" for r in range(world_size)])
+            stacks = _collect_stacks(
+                processes, stuck, [f"{stack_dir}/rank{r}.txt" for r in range(world_size)]
+            )
             raise LaunchTimeout(stuck, stacks, timeout)
         watch = [r for r in open_readers if reader_rank[r] in pending]
         watch += [p.sentinel for r, p in enumerate(processes) if r in pending]
@@ -505,8 +533,7 @@ def _wait_for_results(processes, readers, timeout, stack_dir) -> list:
                 what = (
                     _signal_description(code)
                     if code is not None and code < 0
-                    else f"exited with code {code} without returning a result "
-                    "(did it call os._exit()?)"
+                    else f"exited with code {code} without returning a result (did it call os._exit()?)"
                 )
                 failures.append(
                     {"rank": rank, "message": what, "exc_type": "", "remote_traceback": "", "exitcode": code}
@@ -555,7 +582,12 @@ def _launch_under_torchrun(fn, world_size, args, kwargs, transport, timeout, dev
         torch_device = torch.device("cuda", env["local_rank"])
         torch.cuda.set_device(torch_device)
     comm = transports.TorchComm(
-        env["rank"], env["world_size"], None, local_rank=env["local_rank"], device=torch_device, timeout=timeout
+        env["rank"],
+        env["world_size"],
+        None,
+        local_rank=env["local_rank"],
+        device=torch_device,
+        timeout=timeout,
     )
     if timeout is not None:  # no parent watches us: dump our stack and exit if stuck
         faulthandler.dump_traceback_later(timeout, exit=True)

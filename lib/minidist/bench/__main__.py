@@ -20,13 +20,17 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m minidist.bench", description=__doc__)
     sub = parser.add_subparsers(dest="bench", required=True)
     p2p = sub.add_parser("p2p", help="latency and bandwidth of each transport vs torch.distributed gloo")
-    p2p.add_argument("--max-size", type=parse_size, default=256 * MIB, help="largest message (default 256MiB)")
+    p2p.add_argument(
+        "--max-size", type=parse_size, default=256 * MIB, help="largest message (default 256MiB)"
+    )
     p2p.add_argument("--transports", nargs="+", default=["pipe", "shm", "torch"])
     p2p.add_argument("--repeats", type=int, default=3)
     p2p.add_argument("--scale", type=float, default=1.0, help="multiply the iteration counts")
     p2p.add_argument("--out", default=None, help="folder for the JSON and the plot (default bench-results/)")
     p2p.add_argument("--no-plot", action="store_true")
-    start = sub.add_parser("launch", help="time to start N workers, barrier and return, vs torch.multiprocessing.spawn")
+    start = sub.add_parser(
+        "launch", help="time to start N workers, barrier and return, vs torch.multiprocessing.spawn"
+    )
     start.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 4])
     start.add_argument("--repeats", type=int, default=5)
     start.add_argument("--out", default=None)

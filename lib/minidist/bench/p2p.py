@@ -47,19 +47,32 @@ def pingpong_worker(comm, sizes: list[int], repeats: int, with_gloo: bool, scale
     for size in sizes:
         tensor = torch.zeros(size, dtype=torch.uint8)
         iterations = iterations_for(size, scale)
-        out["ours"][size] = _pingpong(comm.send, comm.recv, comm.barrier, comm.rank, tensor, iterations, repeats)
+        out["ours"][size] = _pingpong(
+            comm.send, comm.recv, comm.barrier, comm.rank, tensor, iterations, repeats
+        )
         if with_gloo:  # plain torch.distributed on the process group our torch transport opened
             import torch.distributed as dist
 
             out["gloo"][size] = _pingpong(
-                lambda t, p: dist.send(t, p), lambda t, p: dist.recv(t, p), dist.barrier,
-                comm.rank, tensor, iterations, repeats,
+                lambda t, p: dist.send(t, p),
+                lambda t, p: dist.recv(t, p),
+                dist.barrier,
+                comm.rank,
+                tensor,
+                iterations,
+                repeats,
             )
     return out
 
 
-def run(max_size: int = 256 * MIB, transports=("pipe", "shm", "torch"), repeats: int = 3,
-        out: str | None = None, plot: bool = True, scale: float = 1.0) -> dict:
+def run(
+    max_size: int = 256 * MIB,
+    transports=("pipe", "shm", "torch"),
+    repeats: int = 3,
+    out: str | None = None,
+    plot: bool = True,
+    scale: float = 1.0,
+) -> dict:
     import minidist as md
 
     sizes = size_range(KIB, max_size)
@@ -69,8 +82,11 @@ def run(max_size: int = 256 * MIB, transports=("pipe", "shm", "torch"), repeats:
     for transport in transports:
         print(f"measuring {transport} ...", flush=True)
         outs = md.launch(
-            pingpong_worker, 2, args=(sizes, repeats, transport == "torch", scale),
-            transport=transport, timeout=1200,
+            pingpong_worker,
+            2,
+            args=(sizes, repeats, transport == "torch", scale),
+            transport=transport,
+            timeout=1200,
         )
         results[transport] = outs[0]["ours"]
         if transport == "torch":
@@ -90,12 +106,23 @@ def run(max_size: int = 256 * MIB, transports=("pipe", "shm", "torch"), repeats:
                 row.append(gloo[size] / t)
         rows.append(row)
     print()
-    print_table(headers, rows, title="point-to-point ping-pong, 2 ranks: one-way time, bandwidth, and "
-                "x gloo = gloo's time / ours (higher is better)")
+    print_table(
+        headers,
+        rows,
+        title="point-to-point ping-pong, 2 ranks: one-way time, bandwidth, and "
+        "x gloo = gloo's time / ours (higher is better)",
+    )
     summary = _goals(results, sizes)
     directory = out_dir(out)
-    save_json(directory, "p2p", {"sizes": sizes, "seconds": {k: {str(s): v for s, v in r.items()}
-                                                              for k, r in results.items()}, "goals": summary})
+    save_json(
+        directory,
+        "p2p",
+        {
+            "sizes": sizes,
+            "seconds": {k: {str(s): v for s, v in r.items()} for k, r in results.items()},
+            "goals": summary,
+        },
+    )
     if plot:
         path = _plot(results, sizes, names, directory)
         print(f"plot saved to {path}")
@@ -110,10 +137,14 @@ def _goals(results, sizes) -> dict:
     bw_ratio = min(gloo[s] / shm[s] for s in big) if big else float("nan")
     lat_ratio = gloo[KIB] / shm[KIB]
     print()
-    print(f"goal: shm bandwidth >= 3x gloo from 1 MiB up   -> worst ratio {bw_ratio:.1f}x "
-          f"({'met' if bw_ratio >= 3 else 'NOT met'})")
-    print(f"goal: shm latency at 1 KiB >= 20x lower than gloo -> {lat_ratio:.1f}x "
-          f"({'met' if lat_ratio >= 20 else 'NOT met'})")
+    print(
+        f"goal: shm bandwidth >= 3x gloo from 1 MiB up   -> worst ratio {bw_ratio:.1f}x "
+        f"({'met' if bw_ratio >= 3 else 'NOT met'})"
+    )
+    print(
+        f"goal: shm latency at 1 KiB >= 20x lower than gloo -> {lat_ratio:.1f}x "
+        f"({'met' if lat_ratio >= 20 else 'NOT met'})"
+    )
     return {"shm_bandwidth_ratio_min_from_1MiB": bw_ratio, "shm_latency_ratio_1KiB": lat_ratio}
 
 

@@ -50,7 +50,9 @@ def share_with_rank(transport: str, shared, rank: int, world_size: int):
 def connect(transport: str, rank: int, world_size: int, resources, local_rank, device, timeout):
     """Worker side: build this rank's communicator."""
     classes = {"pipe": PipeComm, "shm": ShmComm, "torch": TorchComm}
-    return classes[transport](rank, world_size, resources, local_rank=local_rank, device=device, timeout=timeout)
+    return classes[transport](
+        rank, world_size, resources, local_rank=local_rank, device=device, timeout=timeout
+    )
 
 
 __all__ = ["TRANSPORTS", "PipeComm", "ShmComm", "TorchComm", "setup", "share_with_rank", "connect"]

@@ -110,8 +110,12 @@ class ShmComm(Communicator):
         self.chunk = resources["chunk"]
         self.slots = resources["slots"]
         boxes = resources["boxes"]
-        self._out = {d: _Mailbox(boxes[(rank, d)], self.chunk, self.slots) for d in range(world_size) if d != rank}
-        self._in = {s: _Mailbox(boxes[(s, rank)], self.chunk, self.slots) for s in range(world_size) if s != rank}
+        self._out = {
+            d: _Mailbox(boxes[(rank, d)], self.chunk, self.slots) for d in range(world_size) if d != rank
+        }
+        self._in = {
+            s: _Mailbox(boxes[(s, rank)], self.chunk, self.slots) for s in range(world_size) if s != rank
+        }
         # spin long only if every rank can have a core of its own
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self._spin = 20000 if world_size <= cores else 200
@@ -152,9 +156,13 @@ class ShmComm(Communicator):
             ):
                 sent = box.local
                 if box.acked.value <= sent - self.slots:
-                    self._wait_at_least(box.acked, sent - self.slots + 1, dst, "a free slot in the mailbox to")
+                    self._wait_at_least(
+                        box.acked, sent - self.slots + 1, dst, "a free slot in the mailbox to"
+                    )
                 slot = sent % self.slots
-                header = (self._header_cache.get((tensor.dtype, tensor.shape)) or self._slot_header(tensor))[0]
+                header = (self._header_cache.get((tensor.dtype, tensor.shape)) or self._slot_header(tensor))[
+                    0
+                ]
                 if box.last_written[slot] is not header:  # same shape as last time: already there
                     memmove(box.header_addr[slot], header, len(header))
                     box.last_written[slot] = header
@@ -237,8 +245,9 @@ class ShmComm(Communicator):
 
     def _send_message(self, header, payload, dst):
         box = self._out[dst]
-        data = payload.numpy() if payload.numel() < TORCH_COPY_ABOVE else payload
         n = payload.numel()
+        use_torch = n >= TORCH_COPY_ABOVE  # torch's copy_ releases the GIL; numpy is quicker when small
+        data = payload if use_torch else payload.numpy()
         chunk, slots = self.chunk, self.slots
         digest = header_digest(header)
         sent = box.local
@@ -250,7 +259,7 @@ class ShmComm(Communicator):
             box.headers[slot, LENGTH_INT] = length
             box.headers[slot, DIGEST_INT] = digest
             box.last_written[slot] = None
-            if length >= TORCH_COPY_ABOVE:
+            if use_torch:
                 box.data_t[slot, :length].copy_(data[offset : offset + length])
             elif length:
                 box.data[slot, :length] = data[offset : offset + length]
@@ -266,14 +275,15 @@ class ShmComm(Communicator):
     def _recv_payload(self, out, header, src):
         box = self._in[src]
         n = int(header[2])
-        target = out.numpy() if n < TORCH_COPY_ABOVE else out
+        use_torch = n >= TORCH_COPY_ABOVE
+        target = out if use_torch else out.numpy()
         chunk, slots = self.chunk, self.slots
         acked = box.local
         for offset in range(0, max(n, 1), chunk):
             self._wait_at_least(box.sent, acked + 1, src, "the rest of a message from")
             slot = acked % slots
             length = min(chunk, n - offset)
-            if length >= TORCH_COPY_ABOVE:
+            if use_torch:
                 target[offset : offset + length].copy_(box.data_t[slot, :length])
             elif length:
                 target[offset : offset + length] = box.data[slot, :length]

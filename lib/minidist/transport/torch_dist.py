@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 from datetime import timedelta
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -96,4 +95,4 @@ def torchrun_environment() -> dict | None:
     }
 
 
-__all__ = ["TorchComm", "backend_for", "torchrun_environment", "np"]
+__all__ = ["TorchComm", "backend_for", "torchrun_environment"]

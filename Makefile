@@ -1,0 +1,52 @@
+# Every target sets up what it needs first (.venv is created or updated only when
+# pyproject.toml changed), so a new user needs just `make lab` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.minidist-installed
+PYTEST := $(PY) -m pytest -p no:cacheprovider
+NBVAL  := --nbval --nbval-current-env --nbval-cell-timeout=300
+
+.PHONY: help setup lab test test-lib notebooks lint format bench clean
+
+help:
+	@echo "make lab        set up .venv, register the kernel, open JupyterLab on notebooks/"
+	@echo "make test       set up .venv, run lint, every test and every notebook (what CI runs)"
+	@echo "make test-lib   only the library tests (faster while developing)"
+	@echo "make notebooks  only the notebooks, checked against their stored outputs (nbval)"
+	@echo "make bench      the benchmarks (p2p, launch); results in bench-results/"
+	@echo "make format     ruff format + autofix"
+
+$(STAMP): pyproject.toml scripts/setup_venv.py
+	$(PYTHON) scripts/setup_venv.py --venv $(VENV)
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+lab: $(STAMP)
+	$(PY) -m ipykernel install --user --name minidist --display-name "Python (minidist)" > /dev/null
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
+	$(PYTEST) tests notebooks $(NBVAL) $(PYTEST_ARGS)
+
+test-lib: $(STAMP)
+	$(PYTEST) tests $(PYTEST_ARGS)
+
+notebooks: $(STAMP)
+	$(PYTEST) notebooks $(NBVAL) $(PYTEST_ARGS)
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench: $(STAMP)
+	$(PY) -m minidist.bench p2p
+	$(PY) -m minidist.bench launch
+
+clean:
+	rm -rf $(VENV) bench-results .pytest_cache .ruff_cache
