@@ -48,12 +48,16 @@ def install_torch(python: Path, version: str) -> None:
     if os.environ.get("MINIDIST_TORCH_INDEX"):
         run([*pip, spec, "--index-url", os.environ["MINIDIST_TORCH_INDEX"]])
         return
-    # 1. a wheel pip already knows about locally (find-links): no download at all
-    if run([*pip, "--no-index", spec], check=False).returncode == 0:
+    # 1. a wheel pip already knows about locally (find-links): take torch from it,
+    #    then its dependencies from the index as usual
+    if run([*pip, "--no-index", "--no-deps", spec], check=False).returncode == 0:
+        run([*pip, spec])
         return
-    # 2. Linux without an NVIDIA driver: the CPU-only build
+    # 2. Linux without an NVIDIA driver: the CPU-only build (its +cpu local version
+    #    ranks above the CUDA one on the default index, dependencies come from there)
     if sys.platform.startswith("linux") and shutil.which("nvidia-smi") is None:
-        if run([*pip, spec, "--index-url", CPU_INDEX], check=False).returncode == 0:
+        cpu = [*pip, spec, "--extra-index-url", CPU_INDEX, "--retries", "1", "--timeout", "30"]
+        if run(cpu, check=False).returncode == 0:
             return
     # 3. PyPI (CPU build on macOS and Windows, CUDA build on Linux)
     run([*pip, spec])

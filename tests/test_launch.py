@@ -10,10 +10,11 @@ import sys
 import textwrap
 import time
 
-import minidist as md
 import psutil
 import pytest
 import torch
+
+import minidist as md
 import workers
 from conftest import wait_until
 

@@ -8,8 +8,9 @@ import socket
 import subprocess
 import sys
 
-import minidist as md
 import pytest
+
+import minidist as md
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import minidist as md
 import pytest
 import torch
+
+import minidist as md
 import workers
 from minidist.transport import share_with_rank
 from minidist.transport.shm import DEFAULT_CHUNK, ShmComm, allocate_mailboxes

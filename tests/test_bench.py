@@ -1,0 +1,55 @@
+"""The benchmarks run end to end (small sizes) and report ours next to the baseline.
+
+No timing is asserted (shared machines are noisy): only that every number is
+measured, positive, and that the ratios printed are the ratios of those numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_bench(*args: str, out) -> str:
+    result = subprocess.run(
+        [sys.executable, "-m", "minidist.bench", *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+@pytest.mark.slow
+def test_p2p_benchmark_reports_every_transport_against_gloo(tmp_path):
+    out = run_bench("p2p", "--max-size", "64KiB", "--repeats", "1", "--scale", "0.02", out=tmp_path)
+    for column in ["pipe us", "shm GB/s", "torch us", "gloo us", "x gloo"]:
+        assert column in out
+    for size in ["1 KiB", "4 KiB", "16 KiB", "64 KiB"]:
+        assert any(line.strip().startswith(size) for line in out.splitlines()), size
+    data = json.loads((tmp_path / "p2p.json").read_text())
+    assert set(data["seconds"]) == {"pipe", "shm", "torch", "gloo"}
+    for per_size in data["seconds"].values():
+        assert all(0 < t < 10 for t in per_size.values())
+    gloo, shm = data["seconds"]["gloo"], data["seconds"]["shm"]
+    assert math.isclose(data["goals"]["shm_latency_ratio_1KiB"], gloo["1024"] / shm["1024"])
+    assert (tmp_path / "p2p.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_launch_benchmark_reports_ours_against_torch_spawn(tmp_path):
+    out = run_bench("launch", "--world-sizes", "2", "--repeats", "1", out=tmp_path)
+    assert "torch.mp.spawn ms" in out and "x torch" in out
+    data = json.loads((tmp_path / "launch.json").read_text())
+    assert set(data["2"]) == {"ours_warm", "ours_cold", "ours_spawn", "torch_spawn"}
+    assert all(v > 0 for v in data["2"].values())
+    assert (tmp_path / "launch.png").exists()
