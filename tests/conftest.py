@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 
@@ -50,6 +51,13 @@ def leftover_processes() -> list[psutil.Process]:
 
 def shm_files() -> set[str]:
     return set(os.listdir(SHM_DIR)) if os.path.isdir(SHM_DIR) else set()
+
+
+def free_port() -> int:
+    """A TCP port the OS says is free now (for servers a test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_until(condition, timeout: float = 5.0, interval: float = 0.05) -> bool:

@@ -152,18 +152,31 @@ def test_many_launches_leak_no_file_descriptors():
     assert len(os.listdir("/proc/self/fd")) <= before + 2
 
 
-def _run_python(code: str, timeout: float = 60, **kwargs):
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "tests"), os.path.join(REPO, "lib")]),
-    }
+PYTHONPATH = {"PYTHONPATH": os.pathsep.join([os.path.join(REPO, "tests"), os.path.join(REPO, "lib")])}
+
+
+def _run_python(code: str, timeout: float = 60):
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=env,
-        **kwargs,
+        env={**os.environ, **PYTHONPATH},
+    )
+
+
+def _start_launcher(world_size: int, pid_dir) -> subprocess.Popen:
+    """A separate Python process (like a notebook kernel) launching sleeping workers."""
+    code = (
+        "import minidist as md, workers\n"
+        f"md.launch(workers.sleep_and_record_pid, {world_size}, args=({str(pid_dir)!r},), timeout=120)\n"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        env={**os.environ, **PYTHONPATH},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -189,25 +202,7 @@ def test_function_from_a_notebook_gets_a_clear_error():
 
 def test_keyboard_interrupt_kills_every_worker(tmp_path):
     """What "interrupt kernel" does in Jupyter: SIGINT to the launching process."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            textwrap.dedent(
-                f"""
-            import minidist as md, workers
-            md.launch(workers.sleep_and_record_pid, 3, args=({str(tmp_path)!r},), timeout=120)
-            """
-            ),
-        ],
-        env={
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "tests"), os.path.join(REPO, "lib")]),
-        },
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _start_launcher(3, tmp_path)
     try:
         assert wait_until(lambda: len(list(tmp_path.glob("*.pid"))) == 3, timeout=60), proc.stderr.read()
         time.sleep(0.2)
@@ -222,29 +217,14 @@ def test_keyboard_interrupt_kills_every_worker(tmp_path):
 
 def test_killing_the_launcher_kills_the_workers(tmp_path):
     """Even SIGKILL of the launching process (no cleanup code runs) leaves no worker behind."""
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            textwrap.dedent(
-                f"""
-            import minidist as md, workers
-            md.launch(workers.sleep_and_record_pid, 2, args=({str(tmp_path)!r},), timeout=120)
-            """
-            ),
-        ],
-        env={
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join([os.path.join(REPO, "tests"), os.path.join(REPO, "lib")]),
-        },
-    )
+    proc = _start_launcher(2, tmp_path)
     pids = []
     try:
         assert wait_until(lambda: len(list(tmp_path.glob("*.pid"))) == 2, timeout=60)
         time.sleep(0.2)
         pids = [[int(p) for p in f.read_text().split()] for f in tmp_path.glob("*.pid")]
         proc.kill()
-        proc.wait(timeout=10)
+        proc.communicate(timeout=10)
         assert wait_until(lambda: all(gone(worker) for worker, _ in pids), timeout=10)
     finally:
         proc.kill()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,8 @@ import pytest
 import requests
 import torch
 import yaml
+
+from conftest import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
@@ -80,16 +81,10 @@ def test_setup_is_idempotent():
     assert "pip install" not in result.stdout
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_jupyterlab_serves_notebook_01(tmp_path):
-    port, token = _free_port(), "minidist-test-token"
+    port, token = free_port(), "minidist-test-token"
     env = {
         **os.environ,
         "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
