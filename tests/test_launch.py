@@ -233,3 +233,26 @@ def test_killing_the_launcher_kills_the_workers(tmp_path):
         for _, grandchild in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(grandchild, signal.SIGKILL)
+
+
+def test_script_without_main_guard_is_explained(tmp_path):
+    """A script that calls launch() at import time: the workers re-import it and fail."""
+    script = tmp_path / "unguarded.py"
+    script.write_text("import minidist as md, workers\nmd.launch(workers.identity, 2, timeout=30)\n")
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **PYTHONPATH},
+    )
+    assert result.returncode != 0
+    assert "while starting" in result.stderr and "__name__ == '__main__'" in result.stderr
+
+
+def test_lock_from_the_wrong_context_is_explained():
+    import multiprocessing
+
+    lock = multiprocessing.get_context("fork").Lock()
+    with pytest.raises(ValueError, match=r"get_context\('forkserver'\)"):
+        md.launch(workers.add_args, 2, args=(lock,), timeout=30)

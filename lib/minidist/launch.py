@@ -106,6 +106,7 @@ def _release_fork_server() -> None:
 
 def _worker_main(spec: WorkerSpec, fn, args, kwargs, result_conn, resources, out_conn, err_conn):
     os.environ[_ENV_WORKER] = "1"
+    result_conn.send_bytes(b"S")  # "started": the launcher can tell start-up failures apart
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # our own process group: the launcher kills the whole group
     _die_with_parent()
@@ -163,8 +164,14 @@ def _check_function(fn: Callable, start_method: str) -> None:
         raise TypeError(f"launch() needs a function to run, got {type(fn).__name__}")
     if start_method == "fork":
         return
-    module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", "")
+    if "<locals>" in qualname or "<lambda>" in qualname:
+        raise ValueError(
+            f"{qualname!r} is a lambda or a function defined inside another function; worker "
+            f"processes started with {start_method!r} find functions by module and name, so define "
+            "it at the top level of a module (or use start_method='fork')"
+        )
+    module = getattr(fn, "__module__", None)
     main = sys.modules.get("__main__")
     if module == "__main__" and not getattr(main, "__file__", None):
         raise ValueError(
@@ -173,12 +180,6 @@ def _check_function(fn: Callable, start_method: str) -> None:
             "next to the notebook (e.g. with %%writefile workers.py), import it from there and "
             "pass that; or use start_method='fork' (Linux/macOS only; re-run the definition "
             "cell after each edit)."
-        )
-    if "<locals>" in qualname or "<lambda>" in qualname:
-        raise ValueError(
-            f"{qualname!r} is a lambda or a function defined inside another function; worker "
-            f"processes started with {start_method!r} find functions by module and name, so define "
-            "it at the top level of a module (or use start_method='fork')"
         )
 
 
@@ -371,6 +372,11 @@ def launch(
         threads_per_worker: torch intra-op threads per rank (default: cores / ranks).
         forward_output: show workers' stdout/stderr here, prefixed with the rank.
 
+    Tensors in ``args`` are shared, not copied, with the forkserver and spawn start
+    methods (torch moves them into shared memory): a worker that writes into one
+    changes it for everyone, the launcher included. With ``fork`` each worker gets
+    a private copy. Pass ``t.clone()`` when a worker must not touch your tensor.
+
     Returns:
         ``outs`` with ``outs[r]`` the value rank r's ``fn`` returned.
 
@@ -437,6 +443,14 @@ def launch(
             )
             try:
                 process.start()
+            except RuntimeError as error:  # a multiprocessing.Lock() from the default context
+                if "SemLock" not in str(error):
+                    raise
+                raise ValueError(
+                    f"could not send an argument to the worker processes: {error}. Objects from "
+                    "multiprocessing (Lock, Queue, Event, ...) must be created with the same start "
+                    f"method as the workers: multiprocessing.get_context({start_method!r}).Lock()."
+                ) from error
             except (pickle.PicklingError, AttributeError, TypeError) as error:
                 raise ValueError(
                     f"could not send the function or its arguments to the worker processes: "
@@ -478,7 +492,12 @@ def _wait_for_results(processes, readers, timeout, stack_dir) -> list:
     deadline = None if timeout is None else time.monotonic() + timeout
     first_failure_at = None
 
+    started: set[int] = set()
+
     def take(rank: int, message: bytes) -> None:
+        if message == b"S":
+            started.add(rank)
+            return
         pending.discard(rank)
         if message[:1] == b"R":
             try:
@@ -524,17 +543,23 @@ def _wait_for_results(processes, readers, timeout, stack_dir) -> list:
                     continue
                 reader = readers[rank]
                 with contextlib.suppress(EOFError, OSError):
-                    if reader.poll(0):  # it sent its result just before exiting
+                    while rank in pending and reader.poll(0):  # sent just before exiting
                         take(rank, reader.recv_bytes())
-                        continue
+                if rank not in pending:
+                    continue
                 processes[rank].join(timeout=1.0)
                 code = processes[rank].exitcode
                 pending.discard(rank)
-                what = (
-                    _signal_description(code)
-                    if code is not None and code < 0
-                    else f"exited with code {code} without returning a result (did it call os._exit()?)"
-                )
+                if code is not None and code < 0:
+                    what = _signal_description(code)
+                elif rank not in started:
+                    what = (
+                        f"exited with code {code} while starting, before it could run your function: "
+                        "see the error printed above (a script that calls launch() needs "
+                        "`if __name__ == '__main__':` around that call)"
+                    )
+                else:
+                    what = f"exited with code {code} without returning a result (did it call os._exit()?)"
                 failures.append(
                     {"rank": rank, "message": what, "exc_type": "", "remote_traceback": "", "exitcode": code}
                 )

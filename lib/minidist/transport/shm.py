@@ -118,7 +118,7 @@ class ShmComm(Communicator):
         }
         # spin long only if every rank can have a core of its own
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        self._spin = 20000 if world_size <= cores else 200
+        self._spin = 5000 if world_size <= cores else 200  # ~0.25 ms, then yield
         self._header_cache: dict = {}
         self._fast_stats = [0, 0, 0, 0]  # bytes/messages sent, bytes/messages received
 
