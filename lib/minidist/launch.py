@@ -330,9 +330,9 @@ def _failure_from_message(rank: int, message: bytes):
 def _choose_root_cause(failures: list[dict]) -> WorkerError:
     """The first failure that is not a mere consequence (a peer that lost its partner)."""
     consequences = ("PeerError", "MessageMismatch")
-    primary = next((f for f in failures if f["exc_type"] not in ("PeerError",)), failures[0])
-    if primary["exc_type"] in consequences:
-        primary = next((f for f in failures if f["exc_type"] == ""), primary)
+    causes = [f for f in failures if f["exc_type"] not in consequences and f["exc_type"] != ""]
+    deaths = [f for f in failures if f["exc_type"] == ""]
+    primary = (causes or deaths or failures)[0]  # an exception, else a death, else the first
     others = {f["rank"]: f["message"] for f in failures if f is not primary}
     return WorkerError(
         primary["rank"],

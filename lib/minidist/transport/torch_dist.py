@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm import HEADER_INTS, Communicator
+from ..errors import PeerError
 
 CHUNK_BYTES = 256 * 1024 * 1024
 INLINE_BYTES = 64 * 1024
@@ -72,7 +73,38 @@ class TorchComm(Communicator):
         self._inline: dict[int, torch.Tensor | None] = {}  # src -> payload that came with the header
         self._landing: dict[int, torch.Tensor] = {}
 
+    def _peer_gone(self, error: RuntimeError, peer: int) -> Exception:
+        """gloo reports a dead peer as a RuntimeError about its socket: say what it means."""
+        text = str(error)
+        if any(
+            sign in text
+            for sign in ("Connection closed", "Connection reset", "closed by peer", "Broken pipe")
+        ):
+            return PeerError(
+                f"rank {self.rank} lost its connection to rank {peer}: rank {peer} exited or crashed "
+                f"(gloo said: {text.splitlines()[0][:200]})"
+            )
+        return error
+
     def _send_message(self, header, payload, dst):
+        try:
+            self._send(header, payload, dst)
+        except RuntimeError as error:
+            raise self._peer_gone(error, dst) from error
+
+    def _recv_header(self, src):
+        try:
+            return self._receive_header(src)
+        except RuntimeError as error:
+            raise self._peer_gone(error, src) from error
+
+    def _recv_payload(self, out, header, src):
+        try:
+            self._receive_payload(out, header, src)
+        except RuntimeError as error:
+            raise self._peer_gone(error, src) from error
+
+    def _send(self, header, payload, dst):
         n = payload.numel()
         if n <= INLINE_BYTES and not payload.is_cuda:
             flagged = header.copy()
@@ -86,7 +118,7 @@ class TorchComm(Communicator):
         for offset in range(0, n, CHUNK_BYTES):
             dist.send(payload[offset : offset + CHUNK_BYTES], dst)
 
-    def _recv_header(self, src):
+    def _receive_header(self, src):
         # One reusable landing buffer per source: the inline payload in it is consumed
         # by _recv_payload before the next message from that source is received.
         first = self._landing.get(src)
@@ -99,7 +131,7 @@ class TorchComm(Communicator):
         self._inline[src] = first[HEADER_BYTES : HEADER_BYTES + int(header[2])] if inline else None
         return header
 
-    def _recv_payload(self, out, header, src):
+    def _receive_payload(self, out, header, src):
         inline = self._inline.pop(src, None)
         if inline is not None:
             out.copy_(inline)
