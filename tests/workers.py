@@ -260,3 +260,83 @@ def torchrun_ring(comm):
     work.wait()
     comm.barrier()
     return {"rank": comm.rank, "world_size": p, "local_rank": comm.local_rank, "got": float(got[0])}
+
+
+# --- collectives ---------------------------------------------------------------------
+def rank_input(case: dict, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s input for a collective test case (the test recomputes it)."""
+    gen = torch.Generator().manual_seed(case["seed"] * 1000 + rank)
+    shape = case["shape"]
+    dtype = DTYPES[case["dtype"]]
+    if dtype in (torch.int64, torch.int32):
+        t = torch.randint(-50, 50, shape, generator=gen, dtype=dtype)
+    else:
+        t = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+    if case.get("noncontig") and t.dim() == 2:
+        t = t.t().contiguous().t()  # same values, column-major memory
+        assert not t.is_contiguous() or t.numel() <= 1
+    return t
+
+
+def run_collectives(comm, cases):
+    """Run every case; return [(result, stats delta)] in order."""
+    import minidist as md
+
+    out = []
+    for case in cases:
+        t = rank_input(case, comm.rank)
+        before = comm.stats
+        kind, algorithm = case["kind"], case.get("algorithm", "auto")
+        if kind == "allreduce":
+            result = md.allreduce(comm, t, op=case["op"], algorithm=algorithm)
+            assert result is t
+        elif kind == "broadcast":
+            result = md.broadcast(comm, t, src=case["root"], algorithm=algorithm)
+        elif kind == "reduce":
+            result = md.reduce(comm, t, dst=case["root"], op=case["op"], algorithm=algorithm)
+        elif kind == "allgather":
+            result = md.allgather(comm, t)
+        elif kind == "reduce_scatter":
+            result = md.reduce_scatter(comm, t, op=case["op"])
+        else:
+            raise ValueError(kind)
+        out.append((result.clone(), vars(comm.stats - before)))
+    return out
+
+
+def ours_and_gloo(comm, cases):
+    """On the torch transport: our allreduce next to torch.distributed's, same inputs."""
+    import torch.distributed as dist
+
+    import minidist as md
+
+    ops = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+    out = []
+    for case in cases:
+        ours = md.allreduce(comm, rank_input(case, comm.rank), op=case["op"], algorithm=case["algorithm"])
+        theirs = rank_input(case, comm.rank)
+        dist.all_reduce(theirs, op=ops[case["op"]])
+        out.append((ours, theirs))
+    return out
+
+
+def mismatched_allreduce(comm, algorithm, same_numel):
+    import minidist as md
+
+    if same_numel:
+        t = torch.ones(2, 3) if comm.rank == 0 else torch.ones(3, 2)
+    else:
+        t = torch.ones(10) if comm.rank == 0 else torch.ones(12)
+    md.allreduce(comm, t, algorithm=algorithm)
+
+
+def allreduce_repeatedly(comm, sizes, algorithm):
+    """Many back-to-back allreduces of changing sizes (exercises buffer reuse)."""
+    import minidist as md
+
+    results = []
+    for i, n in enumerate(sizes):
+        t = torch.full((n,), float(comm.rank + i))
+        md.allreduce(comm, t, algorithm=algorithm)
+        results.append(float(t[0]) if n else None)
+    return results

@@ -16,6 +16,8 @@ Layers (each uses only the ones above it): ``launch`` -> transports
 (``pipe``, ``shm``, ``torch``) -> collectives -> training patterns -> models -> tools.
 """
 
+from . import collectives
+from .collectives import allgather, allreduce, barrier, broadcast, cost_model, reduce, reduce_scatter
 from .comm import CommStats, Communicator, Work
 from .errors import LaunchTimeout, MessageMismatch, PeerError, WorkerError
 from .launch import launch
@@ -24,6 +26,14 @@ from .transport import TRANSPORTS, PipeComm, ShmComm, TorchComm
 __version__ = "0.1.0"
 
 __all__ = [
+    "allgather",
+    "allreduce",
+    "barrier",
+    "broadcast",
+    "collectives",
+    "cost_model",
+    "reduce",
+    "reduce_scatter",
     "CommStats",
     "Communicator",
     "LaunchTimeout",

@@ -148,6 +148,21 @@ class Work:
         return self.tensor
 
 
+class CompletedWork(Work):
+    """The handle of an operation that finished before ``isend`` returned
+    (e.g. a small message copied straight into a free mailbox slot)."""
+
+    def __init__(self, tensor: torch.Tensor | None = None) -> None:  # no Event: it is cheap
+        self.tensor = tensor
+        self._error = None
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor | None:
+        return self.tensor
+
+
 class _PeerQueue:
     """A FIFO of operations towards one peer, run by one daemon thread.
 

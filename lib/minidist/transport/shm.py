@@ -40,13 +40,14 @@ import time
 import numpy as np
 import torch
 
-from ..comm import HEADER_INTS, KIND_DATA, Communicator, encode_header
+from ..comm import HEADER_INTS, KIND_DATA, Communicator, CompletedWork, encode_header
 from ..errors import PeerError
 
 CTRL_BYTES = 256  # sent at byte 0, acked at byte 128: separate cache lines
 SLOT_HEADER_INTS = 32
 DEFAULT_CHUNK = int(os.environ.get("MINIDIST_SHM_CHUNK", 1 << 21))  # 2 MiB
 DEFAULT_SLOTS = int(os.environ.get("MINIDIST_SHM_SLOTS", 4))
+WORKSPACE_SLOT = int(os.environ.get("MINIDIST_SHM_WORKSPACE_SLOT", 8 << 20))  # per rank, x2 buffers
 TORCH_COPY_ABOVE = 1 << 16
 HEADER_BYTES = HEADER_INTS * 8
 LENGTH_INT, DIGEST_INT = HEADER_INTS, HEADER_INTS + 1  # slot header: 20 ints, length, digest
@@ -72,12 +73,16 @@ def allocate_mailboxes(world_size: int, chunk: int = DEFAULT_CHUNK, slots: int =
     """
     size = mailbox_bytes(chunk, slots)
     boxes = {}
+    # one more block that all ranks share, for the shared-memory collectives
+    # (its layout belongs to minidist.collectives.shm_allreduce)
+    workspace_bytes = 2 * world_size * WORKSPACE_SLOT + 4096 * (1 + world_size)
+    workspace = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(workspace_bytes))
     for src in range(world_size):
         for dst in range(world_size):
             if src != dst:
                 storage = torch.UntypedStorage._new_shared(size)
                 boxes[(src, dst)] = torch.empty(0, dtype=torch.uint8).set_(storage)
-    return {"boxes": boxes, "chunk": chunk, "slots": slots}
+    return {"boxes": boxes, "chunk": chunk, "slots": slots, "workspace": workspace}
 
 
 class _Mailbox:
@@ -110,6 +115,7 @@ class ShmComm(Communicator):
         self.chunk = resources["chunk"]
         self.slots = resources["slots"]
         boxes = resources["boxes"]
+        self.workspace = resources.get("workspace")  # for collectives.shm_allreduce
         self._out = {
             d: _Mailbox(boxes[(rank, d)], self.chunk, self.slots) for d in range(world_size) if d != rank
         }
@@ -199,6 +205,23 @@ class ShmComm(Communicator):
                     self._fast_stats[3] += 1
                     return tensor
         return super().recv(tensor, src)  # also produces the error message on a mismatch
+
+    def isend(self, tensor, dst):
+        """Eager when possible: a small message and a free slot mean the send cannot block,
+        so it is done right here, without handing it to a background thread."""
+        box = self._out.get(dst)
+        if (
+            box is not None
+            and type(tensor) is torch.Tensor
+            and not tensor.is_cuda
+            and tensor.is_contiguous()
+            and tensor.nbytes <= self.chunk
+            and box.acked.value > box.local - self.slots
+            and (not self._send_queues or self._idle(self._send_queues, dst))
+        ):
+            self.send(tensor, dst)
+            return CompletedWork(tensor)
+        return super().isend(tensor, dst)
 
     @property
     def stats(self):

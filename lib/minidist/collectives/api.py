@@ -1,0 +1,216 @@
+"""The public collectives: validation, algorithm choice, and the in-place contract.
+
+Every function takes the communicator first and works for any shape, any
+numel (0 and fewer elements than ranks included) and any layout (a
+non-contiguous tensor is handled through a contiguous copy). They are written
+only against ``comm.send/recv/isend/irecv``, so they run on every transport.
+
+Ranks must pass tensors with the same number of elements and dtype; a
+mismatch raises ``MessageMismatch`` naming the ranks. (Only the ``shm``
+allreduce also compares shapes: the others treat a tensor as its flat vector
+of elements, as a (2, 3) and a (3, 2) tensor have the same six elements.)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import MessageMismatch
+from . import cost_model
+from .butterfly import butterfly_allreduce_
+from .ops import Flat, check_op, chunk_bounds, finish_
+from .ring import ring_allgather_, ring_reduce_scatter_
+from .rooted import star_broadcast, star_reduce, tree_broadcast, tree_reduce
+from .shm_allreduce import shm_allreduce_
+
+ALLREDUCE_ALGORITHMS = ("auto", "star", "tree", "ring", "butterfly", "shm")
+ROOTED_ALGORITHMS = ("auto", "star", "tree")
+
+
+def _check(comm, tensor, name: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} expects a torch.Tensor, got {type(tensor).__name__}")
+    if not hasattr(comm, "world_size") or not hasattr(comm, "send"):
+        raise TypeError(f"{name}(comm, tensor, ...): the first argument must be the communicator")
+
+
+def _check_root(comm, root: int, what: str) -> None:
+    if not 0 <= root < comm.world_size:
+        raise ValueError(f"{what}={root} is not a rank: ranks are 0..{comm.world_size - 1}")
+
+
+def _explained(name: str, error: MessageMismatch) -> MessageMismatch:
+    return MessageMismatch(
+        f"{name}: the ranks passed tensors that do not match ({error}). Every rank must pass a "
+        "tensor with the same number of elements and the same dtype."
+    )
+
+
+def broadcast(comm, tensor: torch.Tensor, src: int = 0, algorithm: str = "auto") -> torch.Tensor:
+    """Copy ``src``'s tensor into every rank's ``tensor`` (in place).
+
+    star: the root sends p-1 messages; tree: ceil(log2 p) rounds (see ``rooted``).
+    """
+    _check(comm, tensor, "broadcast")
+    _check_root(comm, src, "src")
+    if algorithm not in ROOTED_ALGORITHMS:
+        raise ValueError(f"unknown broadcast algorithm {algorithm!r}; choose one of {ROOTED_ALGORITHMS}")
+    if comm.world_size == 1:
+        return tensor
+    flat = Flat(tensor)
+    try:
+        (star_broadcast if algorithm == "star" else tree_broadcast)(comm, flat.flat, src)
+    except MessageMismatch as error:
+        raise _explained("broadcast", error) from error
+    return flat.commit()
+
+
+def reduce(
+    comm, tensor: torch.Tensor, dst: int = 0, op: str = "sum", algorithm: str = "auto"
+) -> torch.Tensor:
+    """Combine every rank's tensor with ``op`` into ``dst``'s tensor (in place on ``dst``;
+    the other ranks' tensors are left unchanged)."""
+    _check(comm, tensor, "reduce")
+    _check_root(comm, dst, "dst")
+    check_op(op, tensor)
+    if algorithm not in ROOTED_ALGORITHMS:
+        raise ValueError(f"unknown reduce algorithm {algorithm!r}; choose one of {ROOTED_ALGORITHMS}")
+    if comm.world_size == 1:
+        return tensor
+    flat = Flat(tensor)
+    try:
+        (star_reduce if algorithm == "star" else tree_reduce)(comm, flat.flat, dst, op)
+    except MessageMismatch as error:
+        raise _explained("reduce", error) from error
+    if comm.rank == dst:
+        finish_(flat.flat, op, comm.world_size)
+        flat.commit()
+    return tensor
+
+
+def allreduce(comm, tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -> torch.Tensor:
+    """Every rank's ``tensor`` becomes the combination (``op``) of all ranks' tensors, in place.
+
+    Algorithms (p ranks, n bytes; bytes are sent per rank):
+
+    ==========  ===========================  ====================  ===========================
+    algorithm   how                          rounds (latencies)    bytes sent
+    ==========  ===========================  ====================  ===========================
+    star        reduce to 0, broadcast       2 (root: 2(p-1))      n (root: (p-1) n)
+    tree        binomial reduce + broadcast  2 ceil(log2 p)        up to 2 log2(p) n
+    ring        reduce-scatter + allgather   2 (p-1)               2 (p-1)/p n
+    butterfly   recursive halving+doubling   2 log2 p (+2)         2 (p-1)/p n (+2n folded)
+    shm         shared workspace (shm only)  1-2 barriers/piece    none (memcpy)
+    ==========  ===========================  ====================  ===========================
+
+    ``auto`` picks ``shm`` on the shm transport, otherwise the algorithm the
+    alpha-beta cost model predicts to be fastest (see ``cost_model``).
+    """
+    _check(comm, tensor, "allreduce")
+    check_op(op, tensor)
+    if algorithm not in ALLREDUCE_ALGORITHMS:
+        raise ValueError(f"unknown allreduce algorithm {algorithm!r}; choose one of {ALLREDUCE_ALGORITHMS}")
+    p = comm.world_size
+    if algorithm == "auto":
+        algorithm = choose_allreduce(comm, tensor.numel() * tensor.element_size())
+    if algorithm == "shm" and getattr(comm, "workspace", None) is None:
+        raise ValueError(
+            f"algorithm='shm' works only with transport='shm' (this is {type(comm).__name__}); "
+            "use 'ring', 'butterfly', 'tree' or 'star'"
+        )
+    if p == 1:
+        return tensor
+    staged = tensor.is_cuda and algorithm == "shm"
+    work = tensor.cpu() if staged else tensor
+    flat = Flat(work)
+    vector = flat.flat
+    try:
+        if algorithm == "star":
+            star_reduce(comm, vector, 0, op)
+            if comm.rank == 0:
+                finish_(vector, op, p)
+            star_broadcast(comm, vector, 0)
+        elif algorithm == "tree":
+            tree_reduce(comm, vector, 0, op)
+            if comm.rank == 0:
+                finish_(vector, op, p)
+            tree_broadcast(comm, vector, 0)
+        elif algorithm == "ring":
+            bounds = chunk_bounds(vector.numel(), p)
+            ring_reduce_scatter_(comm, vector, bounds, op)
+            lo, hi = bounds[comm.rank]
+            finish_(vector[lo:hi], op, p)
+            ring_allgather_(comm, vector, bounds)
+        elif algorithm == "butterfly":
+            butterfly_allreduce_(comm, vector, op)
+            finish_(vector, op, p)
+        else:
+            shm_allreduce_(comm, work, vector, op)
+    except MessageMismatch as error:
+        if algorithm == "shm":
+            raise
+        raise _explained("allreduce", error) from error
+    flat.commit()
+    if staged:
+        tensor.copy_(work)
+    return tensor
+
+
+def choose_allreduce(comm, nbytes: int) -> str:
+    """What ``algorithm="auto"`` runs for ``nbytes`` on this communicator."""
+    if getattr(comm, "workspace", None) is not None:
+        return "shm"
+    return cost_model.fastest_allreduce(comm.world_size, nbytes, cost_model.DEFAULTS.get(comm.name))
+
+
+def allgather(comm, tensor: torch.Tensor, algorithm: str = "auto") -> torch.Tensor:
+    """Return a new tensor of shape (world_size, *tensor.shape) whose row r is rank r's tensor.
+
+    Ring: p-1 steps, each rank sends (p-1) * n bytes in all.
+    """
+    _check(comm, tensor, "allgather")
+    if algorithm not in ("auto", "ring"):
+        raise ValueError(f"unknown allgather algorithm {algorithm!r}; choose 'ring'")
+    p = comm.world_size
+    out = torch.empty((p, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    out[comm.rank].copy_(tensor)
+    n = tensor.numel()
+    try:
+        ring_allgather_(comm, out.view(-1), [(r * n, (r + 1) * n) for r in range(p)])
+    except MessageMismatch as error:
+        raise _explained("allgather", error) from error
+    return out
+
+
+def reduce_scatter(comm, tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -> torch.Tensor:
+    """Return block ``rank`` (along dim 0) of the combination of every rank's tensor.
+
+    ``tensor.shape[0]`` must be divisible by world_size; the result has shape
+    (tensor.shape[0] // world_size, *tensor.shape[1:]). The input is not modified.
+    Ring: p-1 steps, each rank sends (p-1)/p * n bytes.
+    """
+    _check(comm, tensor, "reduce_scatter")
+    check_op(op, tensor)
+    if algorithm not in ("auto", "ring"):
+        raise ValueError(f"unknown reduce_scatter algorithm {algorithm!r}; choose 'ring'")
+    p = comm.world_size
+    if tensor.dim() == 0 or tensor.shape[0] % p:
+        raise ValueError(
+            f"reduce_scatter splits dim 0 into {p} equal blocks, but the tensor has shape "
+            f"{tuple(tensor.shape)}: pad dim 0 to a multiple of world_size={p}"
+        )
+    rows = tensor.shape[0] // p
+    work = tensor.detach().contiguous().clone().view(-1)
+    block = work.numel() // p
+    bounds = [(r * block, (r + 1) * block) for r in range(p)]
+    try:
+        ring_reduce_scatter_(comm, work, bounds, op)
+    except MessageMismatch as error:
+        raise _explained("reduce_scatter", error) from error
+    lo, hi = bounds[comm.rank]
+    return finish_(work[lo:hi].clone(), op, p).view(rows, *tensor.shape[1:])
+
+
+def barrier(comm) -> None:
+    """Return when every rank has called barrier (a dissemination barrier, ceil(log2 p) rounds)."""
+    comm.barrier()

@@ -1,0 +1,258 @@
+"""Collectives against a single-process reference, torch.distributed, and byte formulas."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import minidist as md
+import workers
+from minidist.collectives import cost_model
+
+ALGORITHMS = ["star", "tree", "ring", "butterfly"]
+DTYPES = ["float32", "float64", "bfloat16", "int64"]
+OPS = ["sum", "avg", "max", "min"]
+
+
+def shapes(p: int):
+    # numel 0, fewer elements than ranks, not divisible by p, a matrix, a non-contiguous one
+    return [
+        ((0,), False),
+        ((max(p - 1, 1),), False),
+        ((7 * p + 3,), False),
+        ((10, 33), False),
+        ((6, 5), True),
+    ]
+
+
+def reference(kind: str, op: str, inputs: list[torch.Tensor]) -> torch.Tensor:
+    stacked = torch.stack([t.to(torch.float64) if t.is_floating_point() else t for t in inputs])
+    if op == "max":
+        out = stacked.max(dim=0).values
+    elif op == "min":
+        out = stacked.min(dim=0).values
+    else:
+        out = stacked.sum(dim=0)
+        if op == "avg":
+            p = len(inputs)
+            out = out / p if out.is_floating_point() else torch.div(out, p, rounding_mode="floor")
+    return out.to(inputs[0].dtype)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, p: int, what) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype, what
+    if got.dtype == torch.bfloat16:
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=0.05 * p, msg=str(what))
+    elif got.is_floating_point():
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * p, msg=str(what))
+    else:
+        assert torch.equal(got, want), what
+
+
+def allreduce_cases(p: int, algorithms, dtypes=DTYPES, ops=OPS):
+    cases = []
+    for seed, (shape, noncontig) in enumerate(shapes(p)):
+        for algorithm in algorithms:
+            for dtype in dtypes:
+                for op in ops:
+                    cases.append(
+                        {
+                            "kind": "allreduce",
+                            "algorithm": algorithm,
+                            "op": op,
+                            "dtype": dtype,
+                            "shape": shape,
+                            "noncontig": noncontig,
+                            "seed": seed,
+                        }
+                    )
+    return cases
+
+
+def check_allreduce(p: int, cases, outs) -> None:
+    for i, case in enumerate(cases):
+        inputs = [workers.rank_input(case, r) for r in range(p)]
+        want = reference("allreduce", case["op"], inputs)
+        results = [outs[r][i][0] for r in range(p)]
+        for r in range(p):
+            assert_close(results[r], want, p, (case, r))
+            assert torch.equal(results[r], results[0]), ("ranks disagree", case)  # bit-identical
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_allreduce_every_algorithm_op_dtype_shape_on_shm(world_size):
+    cases = allreduce_cases(world_size, ALGORITHMS + ["shm", "auto"])
+    outs = md.launch(workers.run_collectives, world_size, args=(cases,), transport="shm", timeout=120)
+    check_allreduce(world_size, cases, outs)
+
+
+@pytest.mark.parametrize("transport", ["pipe", "torch"])
+@pytest.mark.parametrize("world_size", [2, 3, 5])
+def test_allreduce_on_the_other_transports(transport, world_size):
+    cases = allreduce_cases(
+        world_size, ALGORITHMS + ["auto"], dtypes=["float32", "int64"], ops=["sum", "max"]
+    )
+    outs = md.launch(workers.run_collectives, world_size, args=(cases,), transport=transport, timeout=120)
+    check_allreduce(world_size, cases, outs)
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_allreduce_matches_torch_distributed_gloo(world_size):
+    cases = [
+        {"kind": "allreduce", "algorithm": algorithm, "op": op, "dtype": dtype, "shape": (1000,), "seed": 7}
+        for algorithm in ALGORITHMS
+        for op in ["sum", "max", "min"]
+        for dtype in ["float32", "int64"]
+    ]
+    outs = md.launch(workers.ours_and_gloo, world_size, args=(cases,), transport="torch", timeout=120)
+    for r in range(world_size):
+        for case, (ours, gloo) in zip(cases, outs[r]):
+            assert_close(ours, gloo, world_size, case)
+
+
+@pytest.mark.parametrize("transport", ["shm", "pipe"])
+@pytest.mark.parametrize("world_size", [2, 3, 5, 8])
+def test_broadcast_reduce_allgather_reduce_scatter(transport, world_size):
+    p = world_size
+    cases = []
+    for seed, (shape, noncontig) in enumerate(shapes(p)):
+        base = {"dtype": "float32", "shape": shape, "noncontig": noncontig, "seed": seed}
+        for algorithm in ["star", "tree"]:
+            for root in sorted({0, p - 1, p // 2}):
+                cases.append({**base, "kind": "broadcast", "algorithm": algorithm, "root": root})
+                cases.append({**base, "kind": "reduce", "algorithm": algorithm, "root": root, "op": "sum"})
+        cases.append({**base, "kind": "allgather"})
+    for op in OPS:
+        cases.append({"kind": "reduce_scatter", "op": op, "dtype": "int64", "shape": (2 * p, 3), "seed": 50})
+        cases.append({"kind": "reduce_scatter", "op": op, "dtype": "float64", "shape": (p,), "seed": 51})
+    cases.append({"kind": "reduce_scatter", "op": "sum", "dtype": "float32", "shape": (0, 4), "seed": 52})
+    outs = md.launch(workers.run_collectives, p, args=(cases,), transport=transport, timeout=120)
+    for i, case in enumerate(cases):
+        inputs = [workers.rank_input(case, r) for r in range(p)]
+        for r in range(p):
+            got = outs[r][i][0]
+            if case["kind"] == "broadcast":
+                assert torch.equal(got, inputs[case["root"]]), (case, r)
+            elif case["kind"] == "reduce":
+                want = reference("reduce", case["op"], inputs) if r == case["root"] else inputs[r]
+                assert_close(got, want, p, (case, r))
+            elif case["kind"] == "allgather":
+                assert torch.equal(got, torch.stack(inputs)), (case, r)
+            else:
+                rows = case["shape"][0] // p
+                want = reference("reduce_scatter", case["op"], inputs)[r * rows : (r + 1) * rows]
+                assert_close(got, want, p, (case, r))
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 6, 7])
+def test_bytes_sent_match_the_formulas(algorithm, world_size):
+    p, numel = world_size, 1001
+    case = {
+        "kind": "allreduce",
+        "algorithm": algorithm,
+        "op": "sum",
+        "dtype": "float32",
+        "shape": (numel,),
+        "seed": 3,
+    }
+    outs = md.launch(workers.run_collectives, p, args=([case],), transport="shm", timeout=60)
+    n = numel * 4
+    sent = [outs[r][0][1]["bytes_sent"] for r in range(p)]
+    for r in range(p):  # exactly what the implementation's chunking implies ...
+        assert sent[r] == cost_model.bytes_sent(algorithm, p, r, numel, 4), (r, sent)
+    # ... and the textbook formulas, up to rounding n/p to whole elements
+    rounding = 2 * p * 4
+    if algorithm == "ring":
+        assert all(abs(s - 2 * (p - 1) / p * n) <= rounding for s in sent)
+    elif algorithm == "star":
+        assert sent == [(p - 1) * n] + [n] * (p - 1)
+    elif algorithm == "tree":
+        assert sum(sent) == 2 * (p - 1) * n  # every rank but the root receives once each way
+        assert max(sent) <= 2 * math.ceil(math.log2(p)) * n
+    else:
+        q = 1 << (p.bit_length() - 1)
+        folded = 2 * (p - q)
+        for r, s in enumerate(sent):
+            fold = n if r < folded else 0
+            core = 0 if (r < folded and r % 2 == 0) else 2 * (q - 1) / q * n
+            assert abs(s - fold - core) <= rounding, (r, s)
+    received = sum(outs[r][0][1]["bytes_received"] for r in range(p))
+    assert received == sum(sent)
+
+
+@pytest.mark.parametrize("transport", ["shm", "pipe"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS + ["shm"])
+def test_mismatched_tensors_are_a_clear_error(transport, algorithm):
+    if algorithm == "shm" and transport != "shm":
+        pytest.skip("the shm algorithm needs the shm transport (tested below)")
+    with pytest.raises(md.WorkerError) as info:
+        md.launch(workers.mismatched_allreduce, 2, args=(algorithm, False), transport=transport, timeout=30)
+    assert info.value.exc_type == "MessageMismatch"
+    assert "rank" in str(info.value) and "same" in str(info.value)
+
+
+def test_shm_allreduce_also_catches_a_different_shape_with_the_same_numel():
+    with pytest.raises(md.WorkerError) as info:
+        md.launch(workers.mismatched_allreduce, 2, args=("shm", True), transport="shm", timeout=30)
+    assert "shape (2, 3)" in str(info.value) and "shape (3, 2)" in str(info.value)
+
+
+def test_shm_algorithm_needs_the_shm_transport():
+    with pytest.raises(md.WorkerError) as info:
+        md.launch(workers.mismatched_allreduce, 2, args=("shm", False), transport="pipe", timeout=30)
+    assert "transport='shm'" in str(info.value)
+
+
+@pytest.mark.parametrize("algorithm", ["shm", "ring", "butterfly"])
+def test_back_to_back_allreduces_of_changing_sizes(algorithm):
+    # small and large (several workspace pieces: > 8 MiB) interleaved
+    sizes = [1, 5000, 0, 3_000_000, 17, 40_000, 2_500_001, 3]
+    p = 3
+    outs = md.launch(workers.allreduce_repeatedly, p, args=(sizes, algorithm), transport="shm", timeout=120)
+    want = [float(sum(r + i for r in range(p))) if n else None for i, n in enumerate(sizes)]
+    assert outs == [want] * p
+
+
+def test_reduce_scatter_needs_a_divisible_first_dimension():
+    from minidist.transport import share_with_rank
+    from minidist.transport.shm import ShmComm, allocate_mailboxes
+
+    shared = allocate_mailboxes(2, chunk=4096, slots=2)
+    comm = ShmComm(0, 2, share_with_rank("shm", shared, 0, 2))
+    with pytest.raises(ValueError, match="multiple of world_size=2"):
+        md.reduce_scatter(comm, torch.ones(3, 2))
+    with pytest.raises(ValueError, match="unknown allreduce algorithm"):
+        md.allreduce(comm, torch.ones(2), algorithm="gossip")
+    with pytest.raises(ValueError, match="unknown reduction op"):
+        md.allreduce(comm, torch.ones(2), op="prod")
+    with pytest.raises(ValueError, match="src=5"):
+        md.broadcast(comm, torch.ones(2), src=5)
+    comm.close()
+
+
+# --- the cost model ----------------------------------------------------------------------
+def test_cost_formulas_by_hand():
+    model = cost_model.AlphaBeta(alpha=1e-5, beta=1e-9, gamma=0.0)
+    n = 1e6
+    assert cost_model.predict("ring", 4, n, model) == pytest.approx(6e-5 + 1.5e-3)
+    assert cost_model.predict("star", 4, n, model) == pytest.approx(6 * (1e-5 + 1e-3))
+    assert cost_model.predict("tree", 4, n, model) == pytest.approx(4 * (1e-5 + 1e-3))
+    assert cost_model.predict("butterfly", 4, n, model) == pytest.approx(4e-5 + 1.5e-3)
+    assert cost_model.predict("butterfly", 5, n, model) == pytest.approx(4e-5 + 1.5e-3 + 2 * (1e-5 + 1e-3))
+
+
+def test_cost_model_prefers_few_rounds_when_small_and_few_bytes_when_large():
+    model = cost_model.AlphaBeta(alpha=5e-5, beta=2e-10)
+    assert cost_model.fastest_allreduce(8, 64, model) in ("tree", "butterfly")
+    assert cost_model.fastest_allreduce(7, 1 << 28, model) == "ring"
+    changes = cost_model.crossovers(7, model, [2**k for k in range(6, 30)])
+    assert changes and changes[-1][2] == "ring"
+
+
+def test_alpha_beta_fit_recovers_a_line():
+    sizes = [2**k for k in range(10, 24)]
+    alpha, beta = cost_model.fit_alpha_beta(sizes, [3e-6 + s * 5e-11 for s in sizes])
+    assert alpha == pytest.approx(3e-6) and beta == pytest.approx(5e-11)
