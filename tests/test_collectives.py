@@ -183,11 +183,10 @@ def test_bytes_sent_match_the_formulas(algorithm, world_size):
     assert received == sum(sent)
 
 
-@pytest.mark.parametrize("transport", ["shm", "pipe"])
-@pytest.mark.parametrize("algorithm", ALGORITHMS + ["shm"])
+@pytest.mark.parametrize(
+    "transport, algorithm", [(t, a) for t in ["shm", "pipe"] for a in ALGORITHMS] + [("shm", "shm")]
+)
 def test_mismatched_tensors_are_a_clear_error(transport, algorithm):
-    if algorithm == "shm" and transport != "shm":
-        pytest.skip("the shm algorithm needs the shm transport (tested below)")
     with pytest.raises(md.WorkerError) as info:
         md.launch(workers.mismatched_allreduce, 2, args=(algorithm, False), transport=transport, timeout=30)
     assert info.value.exc_type == "MessageMismatch"

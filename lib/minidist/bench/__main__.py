@@ -1,4 +1,4 @@
-"""``python -m minidist.bench {p2p,launch}`` -- see each module's docstring."""
+"""``python -m minidist.bench {p2p,launch,collectives}`` -- see each module's docstring."""
 
 from __future__ import annotations
 
@@ -35,8 +35,30 @@ def main(argv=None) -> None:
     start.add_argument("--repeats", type=int, default=5)
     start.add_argument("--out", default=None)
     start.add_argument("--no-plot", action="store_true")
+    coll = sub.add_parser(
+        "collectives", help="allreduce: every algorithm x transport vs torch.distributed gloo"
+    )
+    coll.add_argument("--world-size", type=int, default=2)
+    coll.add_argument("--max-size", type=parse_size, default=256 * MIB)
+    coll.add_argument("--transports", nargs="+", default=["shm", "pipe", "torch"])
+    coll.add_argument("--repeats", type=int, default=3)
+    coll.add_argument("--scale", type=float, default=1.0, help="multiply the iteration counts")
+    coll.add_argument("--out", default=None)
+    coll.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
-    if args.bench == "p2p":
+    if args.bench == "collectives":
+        from . import collectives as bench
+
+        bench.run(
+            args.world_size,
+            args.max_size,
+            tuple(args.transports),
+            args.repeats,
+            args.out,
+            not args.no_plot,
+            args.scale,
+        )
+    elif args.bench == "p2p":
         from . import p2p as bench
 
         bench.run(args.max_size, tuple(args.transports), args.repeats, args.out, not args.no_plot, args.scale)

@@ -18,10 +18,10 @@ import torch
 from ..errors import MessageMismatch
 from . import cost_model
 from .butterfly import butterfly_allreduce_
-from .ops import Flat, check_op, chunk_bounds, finish_
+from .ops import OPS, Flat, check_op, chunk_bounds, finish_
 from .ring import ring_allgather_, ring_reduce_scatter_
 from .rooted import star_broadcast, star_reduce, tree_broadcast, tree_reduce
-from .shm_allreduce import shm_allreduce_
+from .shm_allreduce import shm_allreduce_, small_allreduce
 
 ALLREDUCE_ALGORITHMS = ("auto", "star", "tree", "ring", "butterfly", "shm")
 ROOTED_ALGORITHMS = ("auto", "star", "tree")
@@ -106,6 +106,15 @@ def allreduce(comm, tensor: torch.Tensor, op: str = "sum", algorithm: str = "aut
     ``auto`` picks ``shm`` on the shm transport, otherwise the algorithm the
     alpha-beta cost model predicts to be fastest (see ``cost_model``).
     """
+    if (  # the latency-critical case first: a small tensor on the shm transport
+        algorithm in ("auto", "shm")
+        and op in OPS
+        and getattr(comm, "workspace", None) is not None
+        and comm.world_size > 1
+        and type(tensor) is torch.Tensor
+        and small_allreduce(comm, tensor, op)
+    ):
+        return tensor
     _check(comm, tensor, "allreduce")
     check_op(op, tensor)
     if algorithm not in ALLREDUCE_ALGORITHMS:

@@ -34,6 +34,7 @@ different tensors get a clear error instead of a wrong sum.
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 import torch
@@ -44,6 +45,10 @@ from ..transport.shm import header_digest
 from .ops import chunk_bounds, combine_, finish_
 
 SMALL_BYTES = 64 * 1024
+# Large vectors go through the workspace in pieces of this size: small enough that a
+# piece, its p copies and the result stay in the CPU's cache between the copy-in, the
+# reduction and the copy-out (2-3x faster than pieces the size of a whole slot).
+PIECE_BYTES = int(os.environ.get("MINIDIST_SHM_PIECE", 1 << 20))
 META_BYTES = 256  # per rank per buffer: digest + the 20-integer header
 
 
@@ -70,6 +75,13 @@ class _State:
             for b in (0, 1)
         ]
         self.slots = [[workspace[data + (b * p + r) * slot :][:slot] for r in range(p)] for b in (0, 1)]
+        self.digest = [
+            [ctypes.c_int64.from_address(base + meta + (b * p + r) * META_BYTES) for r in range(p)]
+            for b in (0, 1)
+        ]
+        self.slot_ptr = [[view.data_ptr() for view in buffer] for buffer in self.slots]
+        self.numpy_views: dict = {}  # (buffer, dtype, numel) -> [slot 0 .. slot p-1, scratch]
+        self.written = [None, None]  # the header this rank last wrote into each buffer's meta
         self.slot_bytes = slot
         self.epoch = 0
         self.parity = 0
@@ -110,14 +122,16 @@ def _publish_meta(comm, state: _State, b: int, tensor: torch.Tensor) -> None:
     if cached is None:
         header = encode_header(KIND_DATA, tensor)
         cached = state.headers[key] = (header_digest(header), header)
-    meta = state.meta[b][comm.rank]
-    meta[1:21] = cached[1]
-    meta[0] = cached[0]
+    if state.written[b] is not cached:  # the full header only when it changes
+        state.meta[b][comm.rank][1:21] = cached[1]
+        state.written[b] = cached
+    state.digest[b][comm.rank].value = cached[0]
 
 
 def _check_meta(comm, state: _State, b: int) -> None:
-    mine = state.meta[b][comm.rank][0]
-    if all(state.meta[b][r][0] == mine for r in range(comm.world_size)):
+    digests = state.digest[b]
+    mine = digests[comm.rank].value
+    if all(d.value == mine for d in digests):
         return
     described = {r: describe_header(state.meta[b][r][1:21]) for r in range(comm.world_size)}
     others = [r for r in range(comm.world_size) if state.meta[b][r][0] != mine]
@@ -126,6 +140,56 @@ def _check_meta(comm, state: _State, b: int) -> None:
         + "; ".join(f"rank {r}: {described[r]}" for r in others)
         + ". Every rank must pass a tensor of the same shape and dtype."
     )
+
+
+_NUMPY_DTYPES = {
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.float16: np.float16,
+    torch.int64: np.int64,
+    torch.int32: np.int32,
+    torch.int16: np.int16,
+    torch.int8: np.int8,
+    torch.uint8: np.uint8,
+}
+_UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
+
+
+def small_allreduce(comm, tensor: torch.Tensor, op: str) -> bool:
+    """The latency path for a small contiguous CPU tensor of a dtype numpy knows:
+    numpy's ufuncs and ctypes' memmove cost a fraction of a microsecond where a
+    torch call costs one or two. Returns False when it does not apply."""
+    np_dtype = _NUMPY_DTYPES.get(tensor.dtype)
+    nbytes = tensor.nbytes
+    if np_dtype is None or nbytes > SMALL_BYTES or tensor.is_cuda or not tensor.is_contiguous():
+        return False
+    state = _state(comm)
+    if nbytes > state.slot_bytes:
+        return False
+    p, rank = comm.world_size, comm.rank
+    b = state.parity
+    state.parity ^= 1
+    ctypes.memmove(state.slot_ptr[b][rank], tensor.data_ptr(), nbytes)
+    _publish_meta(comm, state, b, tensor)
+    _barrier(comm, state)
+    _check_meta(comm, state, b)
+    numel = tensor.numel()
+    views = state.numpy_views.get((b, np_dtype, numel))
+    if views is None:
+        views = [state.slots[b][r].numpy()[:nbytes].view(np_dtype) for r in range(p)]
+        views.append(np.empty(numel, dtype=np_dtype))  # private scratch for the result
+        state.numpy_views[(b, np_dtype, numel)] = views
+    ufunc, scratch = _UFUNCS[op], views[-1]
+    ufunc(views[0], views[1], out=scratch)
+    for view in views[2:p]:
+        ufunc(scratch, view, out=scratch)
+    if op == "avg":
+        if np.issubdtype(np_dtype, np.floating):
+            np.true_divide(scratch, p, out=scratch)
+        else:
+            np.floor_divide(scratch, p, out=scratch)
+    ctypes.memmove(tensor.data_ptr(), scratch.ctypes.data, nbytes)
+    return True
 
 
 def shm_allreduce_(comm, tensor: torch.Tensor, flat: torch.Tensor, op: str) -> None:
@@ -150,7 +214,7 @@ def shm_allreduce_(comm, tensor: torch.Tensor, flat: torch.Tensor, op: str) -> N
                 combine_(flat, view, op)
         finish_(flat, op, p)
         return
-    per_piece = state.slot_bytes // flat.element_size()
+    per_piece = min(state.slot_bytes, PIECE_BYTES) // flat.element_size()
     for start in range(0, flat.numel(), per_piece):
         piece = flat[start : start + per_piece]
         numel = piece.numel()

@@ -1,0 +1,174 @@
+"""Allreduce benchmark: every algorithm on every transport vs torch.distributed gloo.
+
+    python -m minidist.bench collectives --world-size 2 [--max-size 256MiB]
+
+Definitions as in nccl-tests: for an allreduce of S bytes taking t seconds,
+``algbw = S / t`` and ``busbw = algbw * 2 (p - 1) / p`` -- the bandwidth each
+link must sustain, comparable across world sizes and with point-to-point
+bandwidth. gloo's ``all_reduce`` runs in the same processes, on the same
+tensors, in the same run; "x gloo" is our busbw over gloo's (= gloo's time over
+ours).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ._util import KIB, MIB, human_bytes, out_dir, print_table, save_json, size_range
+
+TRANSPORT_ALGORITHMS = {
+    "shm": ("shm", "ring", "butterfly", "tree", "star"),
+    "pipe": ("ring", "butterfly", "tree", "star"),
+    "torch": ("ring", "butterfly", "tree", "star"),
+}
+
+
+def iterations_for(size: int, scale: float = 1.0) -> int:
+    return max(3, min(500, int(scale * (64 * MIB) / max(size, 4 * KIB))))
+
+
+def _time(run, barrier, iterations: int, repeats: int) -> float:
+    best = math.inf
+    for repeat in range(repeats + 1):  # repeat 0 warms up
+        barrier()
+        start = time.perf_counter()
+        for _ in range(iterations if repeat else 1):
+            run()
+        elapsed = time.perf_counter() - start
+        if repeat:
+            best = min(best, elapsed / iterations)
+    return best
+
+
+def allreduce_worker(comm, algorithms, sizes, repeats: int, with_gloo: bool, scale: float = 1.0) -> dict:
+    """Seconds per allreduce for each (algorithm, size); slowest rank's view is what counts,
+    so every rank measures and the launcher keeps the maximum."""
+    import minidist as md
+
+    out: dict[str, dict[int, float]] = {name: {} for name in (*algorithms, *(["gloo"] if with_gloo else []))}
+    for size in sizes:
+        tensor = torch.ones(max(size // 4, 1), dtype=torch.float32)
+        iterations = iterations_for(size, scale)
+        for algorithm in algorithms:
+            out[algorithm][size] = _time(
+                lambda a=algorithm: md.allreduce(comm, tensor, algorithm=a), comm.barrier, iterations, repeats
+            )
+        if with_gloo:
+            import torch.distributed as dist
+
+            out["gloo"][size] = _time(lambda: dist.all_reduce(tensor), dist.barrier, iterations, repeats)
+    return out
+
+
+def run(
+    world_size: int = 2,
+    max_size: int = 256 * MIB,
+    transports=("shm", "pipe", "torch"),
+    repeats: int = 3,
+    out: str | None = None,
+    plot: bool = True,
+    scale: float = 1.0,
+) -> dict:
+    import minidist as md
+
+    sizes = size_range(KIB, max_size)
+    if "torch" not in transports:
+        transports = (*transports, "torch")
+    seconds: dict[str, dict[int, float]] = {}
+    for transport in transports:
+        print(f"measuring {transport} ...", flush=True)
+        algorithms = TRANSPORT_ALGORITHMS[transport]
+        outs = md.launch(
+            allreduce_worker,
+            world_size,
+            args=(algorithms, sizes, repeats, transport == "torch", scale),
+            transport=transport,
+            timeout=3000,
+        )
+        for name in outs[0]:
+            label = "gloo" if name == "gloo" else f"{name}/{transport}"
+            seconds[label] = {s: max(o[name][s] for o in outs) for s in sizes}
+    factor = 2 * (world_size - 1) / world_size
+    gloo = seconds["gloo"]
+    names = [n for n in seconds if n != "gloo"] + ["gloo"]
+    rows = []
+    for name in names:
+        for size in sizes:
+            t = seconds[name][size]
+            algbw = size / t / 1e9
+            rows.append([name, human_bytes(size), t * 1e6, algbw, algbw * factor, gloo[size] / t])
+    print()
+    print_table(
+        ["algorithm/transport", "size", "time us", "algbw GB/s", "busbw GB/s", "x gloo"],
+        rows,
+        title=f"allreduce of float32, {world_size} ranks "
+        "(busbw = algbw * 2(p-1)/p; x gloo = gloo time / ours)",
+    )
+    goals = _goals(seconds, sizes, world_size)
+    directory = out_dir(out)
+    save_json(
+        directory,
+        f"collectives_p{world_size}",
+        {
+            "world_size": world_size,
+            "sizes": sizes,
+            "seconds": {k: {str(s): v for s, v in d.items()} for k, d in seconds.items()},
+            "goals": goals,
+        },
+    )
+    if plot:
+        path = _plot(seconds, sizes, names, world_size, directory)
+        print(f"plot saved to {path}")
+    return {"sizes": sizes, "seconds": seconds, "goals": goals}
+
+
+def _goals(seconds, sizes, world_size) -> dict:
+    gloo = seconds["gloo"]
+    big = [s for s in sizes if s >= MIB]
+    goals = {}
+    if "shm/shm" in seconds and big:
+        shm = seconds["shm/shm"]
+        goals["shm_busbw_ratio_min_from_1MiB"] = min(gloo[s] / shm[s] for s in big)
+        goals["shm_time_ratio_1KiB"] = gloo[KIB] / shm[KIB]
+        ring = seconds["ring/shm"]
+        goals["ring_shm_busbw_ratio_min_from_1MiB"] = min(gloo[s] / ring[s] for s in big)
+        print()
+        for key, target, text in [
+            ("shm_busbw_ratio_min_from_1MiB", 3, "shm allreduce busbw >= 3x gloo from 1 MiB up"),
+            ("shm_time_ratio_1KiB", 50, "shm allreduce time at 1 KiB >= 50x lower than gloo"),
+            ("ring_shm_busbw_ratio_min_from_1MiB", 1.5, "ring over shm busbw >= 1.5x gloo from 1 MiB up"),
+        ]:
+            value = goals[key]
+            verdict = "met" if value >= target else "NOT met"
+            print(f"goal ({world_size} ranks): {text:<52} -> {value:.1f}x ({verdict})")
+    return goals
+
+
+def _plot(seconds, sizes, names, world_size, directory):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    factor = 2 * (world_size - 1) / world_size
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in names:
+        times = [seconds[name][s] for s in sizes]
+        style = "k--" if name == "gloo" else "-o"
+        left.loglog(sizes, [t * 1e6 for t in times], style, label=name, markersize=3)
+        right.semilogx(
+            sizes, [s / t / 1e9 * factor for s, t in zip(sizes, times)], style, label=name, markersize=3
+        )
+    left.set(xlabel="bytes", ylabel="time per allreduce (us)", title=f"allreduce, {world_size} ranks")
+    right.set(xlabel="bytes", ylabel="busbw (GB/s)", title="bus bandwidth")
+    for ax in (left, right):
+        ax.grid(True, which="both", alpha=0.3)
+    right.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path = directory / f"collectives_p{world_size}.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
