@@ -109,6 +109,7 @@ def test_bad_calls_raise_at_once(transport):
     assert "ValueError" in errors["negative"]
     assert "TypeError" in errors["not_tensor"] and "list" in errors["not_tensor"]
     assert "TypeError" in errors["float_rank"]
+    assert "TypeError" in errors["float_rank_send"] and "TypeError" in errors["float_rank_recv"]
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -149,6 +149,8 @@ def bad_calls(comm):
         "negative": lambda: comm.recv(t, -1),
         "not_tensor": lambda: comm.send([1.0, 2.0], 1 - comm.rank),
         "float_rank": lambda: comm.isend(t, 1.0),
+        "float_rank_send": lambda: comm.send(t, 1.0),
+        "float_rank_recv": lambda: comm.recv(t, 1.0),
     }.items():
         try:
             call()

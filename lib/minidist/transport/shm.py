@@ -151,7 +151,7 @@ class ShmComm(Communicator):
         return cached
 
     def send(self, tensor, dst):
-        box = self._out.get(dst)
+        box = self._out.get(dst) if type(dst) is int else None
         if box is not None and type(tensor) is torch.Tensor:
             nbytes = tensor.nbytes
             if (
@@ -182,7 +182,7 @@ class ShmComm(Communicator):
         super().send(tensor, dst)
 
     def recv(self, tensor, src):
-        box = self._in.get(src)
+        box = self._in.get(src) if type(src) is int else None
         if box is not None and type(tensor) is torch.Tensor:
             nbytes = tensor.nbytes
             if (
@@ -209,7 +209,7 @@ class ShmComm(Communicator):
     def isend(self, tensor, dst):
         """Eager when possible: a small message and a free slot mean the send cannot block,
         so it is done right here, without handing it to a background thread."""
-        box = self._out.get(dst)
+        box = self._out.get(dst) if type(dst) is int else None
         if (
             box is not None
             and type(tensor) is torch.Tensor
