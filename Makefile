@@ -14,7 +14,7 @@ help:
 	@echo "make test       set up .venv, run lint, every test and every notebook (what CI runs)"
 	@echo "make test-lib   only the library tests (faster while developing)"
 	@echo "make notebooks  only the notebooks, checked against their stored outputs (nbval)"
-	@echo "make bench      the benchmarks (p2p, launch); results in bench-results/"
+	@echo "make bench      the benchmarks (p2p, launch, collectives); results in bench-results/"
 	@echo "make format     ruff format + autofix"
 
 $(STAMP): pyproject.toml scripts/setup_venv.py
@@ -47,6 +47,8 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m minidist.bench p2p
 	$(PY) -m minidist.bench launch
+	$(PY) -m minidist.bench collectives --world-size 2
+	$(PY) -m minidist.bench collectives --world-size 4
 
 clean:
 	rm -rf $(VENV) bench-results .pytest_cache .ruff_cache

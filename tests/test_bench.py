@@ -53,3 +53,28 @@ def test_launch_benchmark_reports_ours_against_torch_spawn(tmp_path):
     assert set(data["2"]) == {"ours_warm", "ours_cold", "ours_spawn", "torch_spawn"}
     assert all(v > 0 for v in data["2"].values())
     assert (tmp_path / "launch.png").exists()
+
+
+@pytest.mark.slow
+def test_collectives_benchmark_reports_every_algorithm_against_gloo(tmp_path):
+    out = run_bench(
+        "collectives",
+        "--world-size",
+        "2",
+        "--max-size",
+        "16KiB",
+        "--repeats",
+        "1",
+        "--scale",
+        "0.01",
+        out=tmp_path,
+    )
+    assert "busbw GB/s" in out and "x gloo" in out
+    data = json.loads((tmp_path / "collectives_p2.json").read_text())
+    expected = {"gloo"} | {f"{a}/shm" for a in ["shm", "ring", "butterfly", "tree", "star"]}
+    expected |= {f"{a}/{t}" for a in ["ring", "butterfly", "tree", "star"] for t in ["pipe", "torch"]}
+    assert set(data["seconds"]) == expected
+    for per_size in data["seconds"].values():
+        assert set(per_size) == {"1024", "4096", "16384"}
+        assert all(0 < t < 10 for t in per_size.values())
+    assert (tmp_path / "collectives_p2.png").exists()
