@@ -78,3 +78,7 @@ def test_collectives_benchmark_reports_every_algorithm_against_gloo(tmp_path):
         assert set(per_size) == {"1024", "4096", "16384"}
         assert all(0 < t < 10 for t in per_size.values())
     assert (tmp_path / "collectives_p2.png").exists()
+    for transport in ["shm", "pipe", "torch"]:
+        report = data["crossovers"][transport]
+        assert len(report["measured_best"]) == len(report["predicted_best"]) == 3
+        assert report["alpha_us"] > 0 and report["beta_GBps"] > 0

@@ -108,6 +108,7 @@ def run(
         "(busbw = algbw * 2(p-1)/p; x gloo = gloo time / ours)",
     )
     goals = _goals(seconds, sizes, world_size)
+    crossings = _crossovers(seconds, sizes, world_size, transports)
     directory = out_dir(out)
     save_json(
         directory,
@@ -117,12 +118,47 @@ def run(
             "sizes": sizes,
             "seconds": {k: {str(s): v for s, v in d.items()} for k, d in seconds.items()},
             "goals": goals,
+            "crossovers": crossings,
         },
     )
     if plot:
         path = _plot(seconds, sizes, names, world_size, directory)
         print(f"plot saved to {path}")
-    return {"sizes": sizes, "seconds": seconds, "goals": goals}
+    return {"sizes": sizes, "seconds": seconds, "goals": goals, "crossovers": crossings}
+
+
+def _crossovers(seconds, sizes, world_size, transports) -> dict:
+    """Measured vs predicted best point-to-point algorithm per size, per transport.
+
+    The prediction uses alpha and beta fitted to a ping-pong on this machine
+    (``cost_model.measure``) and the formulas in ``cost_model.predict``.
+    """
+    from ..collectives import cost_model
+
+    report = {}
+    print()
+    for transport in transports:
+        algorithms = [a for a in TRANSPORT_ALGORITHMS[transport] if a != "shm"]
+        model = cost_model.measure(transport, sizes=[KIB, 16 * KIB, 256 * KIB, 4 * MIB], repeats=2)
+        measured = [min(algorithms, key=lambda a: seconds[f"{a}/{transport}"][s]) for s in sizes]
+        predicted = [
+            min(algorithms, key=lambda a: cost_model.predict(a, world_size, s, model)) for s in sizes
+        ]
+        changes = lambda best: [
+            (sizes[i], best[i - 1], best[i]) for i in range(1, len(best)) if best[i] != best[i - 1]
+        ]
+        report[transport] = {
+            "alpha_us": model.alpha * 1e6,
+            "beta_GBps": 1 / model.beta / 1e9,
+            "measured_best": measured,
+            "predicted_best": predicted,
+            "measured_crossovers": changes(measured),
+            "predicted_crossovers": changes(predicted),
+        }
+        print(f"{transport}: alpha {model.alpha * 1e6:.1f} us, 1/beta {1 / model.beta / 1e9:.2f} GB/s")
+        print(f"  measured best : {' '.join(f'{human_bytes(s)}:{b}' for s, b in zip(sizes, measured))}")
+        print(f"  predicted best: {' '.join(f'{human_bytes(s)}:{b}' for s, b in zip(sizes, predicted))}")
+    return report
 
 
 def _goals(seconds, sizes, world_size) -> dict:
