@@ -5,17 +5,20 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.minidist-installed
 PYTEST := $(PY) -m pytest -p no:cacheprovider
+LAB_DIR ?= notebooks
 NBVAL  := --nbval --nbval-current-env --nbval-cell-timeout=300
 
-.PHONY: help setup lab test test-lib notebooks lint format bench clean
+.PHONY: help setup lab test test-lib notebooks lint format bench clean release release-check
 
 help:
 	@echo "make lab        set up .venv, register the kernel, open JupyterLab on notebooks/"
+	@echo "                (LAB_DIR=assignments: on the assignments instead)"
 	@echo "make test       set up .venv, run lint, every test and every notebook (what CI runs)"
 	@echo "make test-lib   only the library tests (faster while developing)"
 	@echo "make notebooks  only the notebooks, checked against their stored outputs (nbval)"
 	@echo "make bench      the benchmarks (p2p, launch, collectives); results in bench-results/"
 	@echo "make format     ruff format + autofix"
+	@echo "make release    regenerate assignments/ from solutions/ (instructors)"
 
 $(STAMP): pyproject.toml scripts/setup_venv.py
 	$(PYTHON) scripts/setup_venv.py --venv $(VENV)
@@ -25,20 +28,27 @@ setup: $(STAMP)
 
 lab: $(STAMP)
 	$(PY) -m ipykernel install --user --name minidist --display-name "Python (minidist)" > /dev/null
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
+	$(VENV)/bin/jupyter lab --notebook-dir=$(LAB_DIR) $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
-	$(PYTEST) tests notebooks $(NBVAL) $(PYTEST_ARGS)
+test: lint release-check
+	$(PYTEST) tests notebooks solutions $(NBVAL) $(PYTEST_ARGS)
 
 test-lib: $(STAMP)
 	$(PYTEST) tests $(PYTEST_ARGS)
 
 notebooks: $(STAMP)
-	$(PYTEST) notebooks $(NBVAL) $(PYTEST_ARGS)
+	$(PYTEST) notebooks solutions $(NBVAL) $(PYTEST_ARGS)
+
+# assignments/ is generated from solutions/; CI fails when the committed copy is stale.
+release: $(STAMP)
+	$(PY) -m grader release
+
+release-check: $(STAMP)
+	$(PY) -m grader release --check
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .

@@ -1,0 +1,377 @@
+"""Hidden tests of assignment 1 (collectives). Instructors only: never copied to assignments/.
+
+They test what the public tests test, and more: 1 to 8 ranks, empty / single-element /
+fewer-elements-than-ranks / not-divisible / large tensors, float64, int64 and bfloat16,
+non-contiguous inputs, the "pipe" and "torch" transports, and a budget of bytes and
+messages per rank read from ``comm.stats`` around each call: a "ring" allreduce that gathers
+everything on rank 0 and broadcasts the sum is correct, and fails the budget.
+
+The folder holding the student's ``collectives.py`` must be on PYTHONPATH; it is imported
+only in the worker processes (see ``workers.py``). Every test carries ``points(n)``
+(``conftest.py``). References are computed here, in one process, in float64 (or exactly,
+for integers); a float result may differ from it by the rounding error of ``p`` additions:
+``|got - exact| <= p * eps(dtype) * sum_r |x_r| + eps(dtype) * |exact|`` elementwise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import minidist as md
+
+from . import workers
+
+TIMEOUT = 30  # seconds per launch: a deadlock fails one test, it does not hang the grading
+ALL_WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
+TASKS = {
+    "tree_broadcast": 1,
+    "ring_allgather": 2,
+    "ring_reduce_scatter": 3,
+    "ring_allreduce": 4,
+    "butterfly_allreduce": 5,
+}
+
+
+# --- running, and explaining failures ------------------------------------------------------
+def launch(worker, function: str, world_size: int, args: tuple, transport: str = "shm") -> list:
+    """md.launch; a failure becomes one readable message (NotImplementedError named as such)."""
+    try:
+        return md.launch(worker, world_size, args=args, transport=transport, timeout=TIMEOUT)
+    except md.WorkerError as error:
+        if error.exc_type == "NotImplementedError":
+            failure = (
+                f"{function} is not implemented: rank {error.rank} raised {error.summary} "
+                f"(TODO(task {TASKS[function]}) in collectives.py)"
+            )
+        elif error.exc_type in ("ImportError", "ModuleNotFoundError", "SyntaxError"):
+            failure = f"could not import collectives.py: {error}"
+        else:
+            failure = f"{function} failed on {world_size} ranks (transport {transport!r}): {error}"
+    except md.LaunchTimeout as error:
+        failure = (
+            f"{function} did not finish within {TIMEOUT} s on {world_size} ranks "
+            f"(transport {transport!r}); a deadlock? {error}"
+        )
+    pytest.fail(failure, pytrace=False)
+
+
+def describe(case: dict) -> str:
+    text = f"{case.get('dtype', 'float32')} input of shape {tuple(case['shape'])}"
+    if case.get("layout", "contiguous") != "contiguous":
+        text += f" ({case['layout']}, non-contiguous)"
+    if "src" in case:
+        text += f", src={case['src']}"
+    return text
+
+
+def check_close(where: str, got, expected: torch.Tensor, tolerance: torch.Tensor | None, dtype) -> None:
+    """``got`` must have ``expected``'s shape and ``dtype``, and values within ``tolerance``."""
+    if not isinstance(got, torch.Tensor):
+        pytest.fail(
+            f"{where}: got {type(got).__name__}, expected a tensor of shape {tuple(expected.shape)}",
+            pytrace=False,
+        )
+    if got.shape != expected.shape or got.dtype != dtype:
+        pytest.fail(
+            f"{where}: got a {got.dtype} tensor of shape {tuple(got.shape)}, "
+            f"expected {dtype} of shape {tuple(expected.shape)}",
+            pytrace=False,
+        )
+    # with a tolerance, compare in float64; "not <=" also counts NaN as wrong
+    wrong = got != expected if tolerance is None else ~((got.double() - expected).abs() <= tolerance)
+    if wrong.any():
+        positions = wrong.nonzero()
+        index = tuple(positions[0].tolist())
+        pytest.fail(
+            f"{where}: element {index} is {got[index].item()}, expected {expected[index].item()} "
+            f"({len(positions)} of {expected.numel()} elements are wrong)",
+            pytrace=False,
+        )
+
+
+def inputs_of(case: dict, world_size: int) -> list[torch.Tensor]:
+    return [workers.make_input(case, rank).contiguous() for rank in range(world_size)]
+
+
+def exact_sum(inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The exact sum (float64 for floats) and the tolerance a float result may deviate by."""
+    if not inputs[0].dtype.is_floating_point:
+        return torch.stack(inputs).sum(0), None
+    stacked = torch.stack([x.double() for x in inputs])
+    exact = stacked.sum(0)
+    eps = torch.finfo(inputs[0].dtype).eps
+    tolerance = len(inputs) * eps * stacked.abs().sum(0) + eps * exact.abs()
+    return exact, tolerance
+
+
+def expected_of(function: str, case: dict, inputs: list[torch.Tensor], rank: int):
+    """(expected value, tolerance or None) for ``rank``'s result of ``case``."""
+    if function == "tree_broadcast":
+        return inputs[case["src"]], None
+    if function == "ring_allgather":
+        return torch.stack(inputs), None
+    exact, tolerance = exact_sum(inputs)
+    if function == "ring_reduce_scatter":
+        block = inputs[0].shape[0] // len(inputs)
+        rows = slice(rank * block, (rank + 1) * block)
+        return exact[rows], None if tolerance is None else tolerance[rows]
+    return exact, tolerance
+
+
+def run_and_check(function: str, world_size: int, cases: list[dict], transport: str = "shm") -> list:
+    """Run the cases, check every rank's result (and that inputs stay untouched); return the reports."""
+    outs = launch(workers.run_cases, function, world_size, (function, cases), transport)
+    for index, case in enumerate(cases):
+        inputs = inputs_of(case, world_size)
+        dtype = workers.DTYPES[case.get("dtype", "float32")]
+        for rank, reports in enumerate(outs):
+            report = reports[index]
+            where = f"{function} on {world_size} ranks ({transport}), {describe(case)}: rank {rank}"
+            expected, tolerance = expected_of(function, case, inputs, rank)
+            check_close(where, report["result"], expected, tolerance, dtype)
+            if "input_after" in report and not torch.equal(report["input_after"], inputs[rank]):
+                pytest.fail(f"{where}: the input was modified; {function} must leave it alone", pytrace=False)
+    return outs
+
+
+# --- the inputs ----------------------------------------------------------------------------
+def shapes_for(function: str, p: int) -> list[tuple[int, ...]]:
+    if function == "ring_reduce_scatter":  # dim 0 must be a multiple of p
+        return [(0,), (p,), (2 * p, 3), (p, 0), (3 * p,)]
+    # empty, one element, fewer elements than ranks, not divisible by p, a 0-dim tensor, 2-D, 3-D
+    return [(0,), (1,), (max(p - 1, 1),), (p + 1,), (), (7, 13), (2, 3, 4), (100,)]
+
+
+def special_cases(function: str, p: int) -> list[dict]:
+    """Other dtypes and non-contiguous layouts."""
+    rows = 2 * p if function == "ring_reduce_scatter" else 6
+    return [
+        {"shape": (rows, 5), "dtype": "float64"},
+        {"shape": (rows, 7), "dtype": "int64"},
+        {"shape": (rows, 9), "dtype": "bfloat16"},
+        {"shape": (rows, 3), "layout": "transposed"},
+        {"shape": (rows, 4), "layout": "strided"},
+        {"shape": (rows,), "layout": "strided", "dtype": "int64"},
+    ]
+
+
+def value_cases(function: str, p: int) -> list[dict]:
+    cases = [{"shape": shape} for shape in shapes_for(function, p)] + special_cases(function, p)
+    if function == "tree_broadcast":
+        sources = sorted({0, p // 2, p - 1})
+        cases = [{**case, "src": sources[i % len(sources)]} for i, case in enumerate(cases)]
+        cases += [{"shape": (5,), "src": src} for src in range(p)]
+    return [{**case, "seed": seed} for seed, case in enumerate(cases)]
+
+
+def budget_cases(function: str, p: int) -> list[dict]:
+    rows = 1000 * p if function == "ring_reduce_scatter" else 1000  # reduce-scatter: dim 0 divisible by p
+    shapes = [(rows,), (p, 3, 11), (10_001 if function != "ring_reduce_scatter" else p, 7)]
+    cases = [{"shape": shape, "seed": seed} for seed, shape in enumerate(shapes)]
+    cases.append({"shape": shapes[0], "dtype": "float64", "seed": len(cases)})
+    if function == "tree_broadcast":
+        cases = [{**case, "src": (seed + 1) % p} for seed, case in enumerate(cases)]
+    return cases
+
+
+def nbytes_of(case: dict) -> tuple[int, int]:
+    """(number of elements, bytes) of one rank's input."""
+    numel = math.prod(case["shape"])
+    return numel, numel * torch.empty(0, dtype=workers.DTYPES[case.get("dtype", "float32")]).element_size()
+
+
+def check_budget(function: str, p: int, case: dict, rank: int, stats: dict, limits: dict, why: str) -> None:
+    """Every ``stats[key]`` must be <= ``limits[key]``; ``why`` explains the limits."""
+    for key, limit in limits.items():
+        if stats[key] > limit:
+            numel, nbytes = nbytes_of(case)
+            pytest.fail(
+                f"{function} on {p} ranks, {describe(case)} ({numel} elements, {nbytes} bytes): rank {rank}: "
+                f"{key.replace('_', ' ')} = {stats[key]}, over the budget of {limit}. {why}",
+                pytrace=False,
+            )
+
+
+# --- task 1: tree_broadcast ------------------------------------------------------------------
+@pytest.mark.points(1)
+@pytest.mark.parametrize("world_size", ALL_WORLD_SIZES)
+def test_tree_broadcast(world_size):
+    run_and_check("tree_broadcast", world_size, value_cases("tree_broadcast", world_size))
+
+
+@pytest.mark.points(2)
+@pytest.mark.parametrize("world_size", [5, 8])
+def test_tree_broadcast_sends_along_a_binomial_tree(world_size):
+    cases = budget_cases("tree_broadcast", world_size)
+    outs = run_and_check("tree_broadcast", world_size, cases)
+    rounds = math.ceil(math.log2(world_size))
+    why = (
+        f"A binomial tree takes ceil(log2 p) = {rounds} rounds: the source sends {rounds} messages, "
+        "every other rank receives exactly one, and nobody receives more than the tensor."
+    )
+    for index, case in enumerate(cases):
+        _, nbytes = nbytes_of(case)
+        for rank, reports in enumerate(outs):
+            stats = reports[index]["stats"]
+            is_src = rank == case["src"]
+            limits = {
+                "messages_sent": rounds,
+                "bytes_sent": rounds * nbytes,
+                "messages_received": 0 if is_src else 1,
+                "bytes_received": 0 if is_src else nbytes,
+            }
+            check_budget("tree_broadcast", world_size, case, rank, stats, limits, why)
+        total = sum(reports[index]["stats"]["messages_sent"] for reports in outs)
+        assert total == world_size - 1, (
+            f"tree_broadcast on {world_size} ranks: {total} messages in all; a tree sends exactly p - 1"
+        )
+
+
+# --- task 2: ring_allgather ------------------------------------------------------------------
+@pytest.mark.points(1)
+@pytest.mark.parametrize("world_size", ALL_WORLD_SIZES)
+def test_ring_allgather(world_size):
+    run_and_check("ring_allgather", world_size, value_cases("ring_allgather", world_size))
+
+
+@pytest.mark.points(2)
+@pytest.mark.parametrize("world_size", [3, 6])
+def test_ring_allgather_budget(world_size):
+    cases = budget_cases("ring_allgather", world_size)
+    outs = run_and_check("ring_allgather", world_size, cases)
+    p = world_size
+    for index, case in enumerate(cases):
+        _, nbytes = nbytes_of(case)
+        limit = {"bytes_sent": (p - 1) * nbytes, "messages_sent": p - 1, "bytes_received": (p - 1) * nbytes}
+        why = "In a ring allgather every rank sends (p - 1) tensors of n bytes, one per step."
+        for rank, reports in enumerate(outs):
+            check_budget("ring_allgather", p, case, rank, reports[index]["stats"], limit, why)
+
+
+@pytest.mark.points(1)
+def test_ring_allgather_large():
+    run_and_check("ring_allgather", 4, [{"shape": (262_144,), "seed": 1}])
+
+
+# --- task 3: ring_reduce_scatter -------------------------------------------------------------
+@pytest.mark.points(1)
+@pytest.mark.parametrize("world_size", ALL_WORLD_SIZES)
+def test_ring_reduce_scatter(world_size):
+    run_and_check("ring_reduce_scatter", world_size, value_cases("ring_reduce_scatter", world_size))
+
+
+@pytest.mark.points(1)
+@pytest.mark.parametrize("world_size, shape", [(3, (4, 2)), (4, (2,)), (4, (6, 0))])
+def test_ring_reduce_scatter_rejects_indivisible_first_dimension(world_size, shape):
+    outs = launch(workers.reduce_scatter_rejects, "ring_reduce_scatter", world_size, (shape,))
+    for rank, out in enumerate(outs):
+        where = f"ring_reduce_scatter on {world_size} ranks, input shape {shape}: rank {rank}"
+        if out["error"] is None:
+            pytest.fail(
+                f"{where}: expected a ValueError (dim 0 is not a multiple of {world_size})", pytrace=False
+            )
+        if out["stats"]["messages_sent"] or out["stats"]["messages_received"]:
+            pytest.fail(
+                f"{where}: raised ValueError only after communicating; check the shape first", pytrace=False
+            )
+
+
+@pytest.mark.points(2)
+@pytest.mark.parametrize("world_size", [3, 6])
+def test_ring_reduce_scatter_budget(world_size):
+    cases = budget_cases("ring_reduce_scatter", world_size)
+    outs = run_and_check("ring_reduce_scatter", world_size, cases)
+    p = world_size
+    for index, case in enumerate(cases):
+        _, nbytes = nbytes_of(case)
+        block = nbytes // p
+        limit = {"bytes_sent": (p - 1) * block, "messages_sent": p - 1, "bytes_received": (p - 1) * block}
+        why = "In a ring reduce-scatter every rank sends p - 1 partial sums of one block (n / p bytes)."
+        for rank, reports in enumerate(outs):
+            check_budget("ring_reduce_scatter", p, case, rank, reports[index]["stats"], limit, why)
+
+
+@pytest.mark.points(1)
+def test_ring_reduce_scatter_large():
+    run_and_check("ring_reduce_scatter", 4, [{"shape": (1_048_576,), "seed": 2}])
+
+
+# --- tasks 4 and 5: allreduce ----------------------------------------------------------------
+@pytest.mark.points(1)
+@pytest.mark.parametrize("function", ["ring_allreduce", "butterfly_allreduce"])
+@pytest.mark.parametrize("world_size", ALL_WORLD_SIZES)
+def test_allreduce(function, world_size):
+    run_and_check(function, world_size, value_cases(function, world_size))
+
+
+@pytest.mark.points(2)
+@pytest.mark.parametrize("function, world_size", [("ring_allreduce", 4), ("butterfly_allreduce", 6)])
+def test_allreduce_large(function, world_size):
+    run_and_check(function, world_size, [{"shape": (1_000_003,), "seed": 3}])
+
+
+@pytest.mark.points(2)
+@pytest.mark.parametrize("world_size", [3, 4, 5, 8])
+def test_ring_allreduce_budget(world_size):
+    cases = budget_cases("ring_allreduce", world_size)
+    outs = run_and_check("ring_allreduce", world_size, cases)
+    p = world_size
+    for index, case in enumerate(cases):
+        numel, nbytes = nbytes_of(case)
+        chunk_bytes = math.ceil(numel / p) * (nbytes // max(numel, 1))
+        limit = {
+            "bytes_sent": 2 * (p - 1) * chunk_bytes,
+            "bytes_received": 2 * (p - 1) * chunk_bytes,
+            "messages_sent": 2 * (p - 1),
+        }
+        why = (
+            "A ring allreduce sends 2 (p - 1) chunks of n / p bytes per rank (reduce-scatter, then "
+            "allgather): 2 (p - 1) / p * n, up to rounding. Gathering everything on one rank and "
+            "broadcasting the sum gives the right answer, but it is not a ring: that rank sends far more."
+        )
+        for rank, reports in enumerate(outs):
+            check_budget("ring_allreduce", p, case, rank, reports[index]["stats"], limit, why)
+
+
+@pytest.mark.points(2)
+@pytest.mark.parametrize("world_size", [4, 6, 7, 8])
+def test_butterfly_allreduce_budget(world_size):
+    cases = budget_cases("butterfly_allreduce", world_size)
+    outs = run_and_check("butterfly_allreduce", world_size, cases)
+    p = world_size
+    p2 = 1 << (p.bit_length() - 1)
+    rem = p - p2
+    steps = 2 * int(math.log2(p2))
+    for index, case in enumerate(cases):
+        numel, nbytes = nbytes_of(case)
+        chunk_bytes = math.ceil(numel / p2) * (nbytes // max(numel, 1))
+        for rank, reports in enumerate(outs):
+            folded = rank < 2 * rem
+            limit = {
+                "bytes_sent": 2 * (p2 - 1) * chunk_bytes + (nbytes if folded else 0),
+                "bytes_received": 2 * (p2 - 1) * chunk_bytes + (nbytes if folded else 0),
+                "messages_sent": steps + (1 if folded else 0),
+            }
+            why = (
+                f"Recursive halving and doubling over p2 = {p2} ranks take 2 log2 p2 = {steps} messages "
+                "and 2 (p2 - 1) / p2 * n bytes per rank, plus one n-byte message in and out for the "
+                f"first 2 * (p - p2) = {2 * rem} ranks that fold in. A ring needs 2 (p - 1) messages."
+            )
+            check_budget("butterfly_allreduce", p, case, rank, reports[index]["stats"], limit, why)
+
+
+# --- every function on the other transports ----------------------------------------------------
+@pytest.mark.points(1)
+@pytest.mark.parametrize("transport", ["pipe", "torch"])
+@pytest.mark.parametrize("function", list(TASKS))
+def test_other_transports(function, transport):
+    p = 3
+    shapes = [(0,), (2 * p, 5), (p,)] if function == "ring_reduce_scatter" else [(0,), (2,), (7, 5)]
+    cases = [{"shape": shape, "seed": seed, "src": p - 1} for seed, shape in enumerate(shapes)]
+    cases.append({"shape": (2 * p, 3), "dtype": "float64", "layout": "transposed", "seed": 9, "src": 1})
+    if function != "tree_broadcast":
+        cases = [{key: value for key, value in case.items() if key != "src"} for case in cases]
+    run_and_check(function, p, cases, transport=transport)

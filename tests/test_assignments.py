@@ -1,0 +1,193 @@
+"""The assignments: solutions pass every test, released stubs fail every test, cheats are caught.
+
+The public tests (``test_*.py`` next to the assignment) and the hidden ones (``grader/<name>/``)
+run in a pytest subprocess with PYTHONPATH pointing at the folder under test: solutions/ and
+assignments/ hold modules of the same name, which must never meet in one process. Outcomes
+come back through a JUnit XML report.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import signal
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NAME = "a1_collectives"
+SOLUTION = ROOT / "solutions" / NAME
+STUB = ROOT / "assignments" / NAME
+HIDDEN = ROOT / "grader" / NAME
+CHEAT = Path(__file__).resolve().parent / "a1_cheating"
+PUBLIC_TESTS = "test_a1_collectives.py"
+FUNCTIONS = [
+    "tree_broadcast",
+    "ring_allgather",
+    "ring_reduce_scatter",
+    "ring_allreduce",
+    "butterfly_allreduce",
+]
+
+
+@dataclass
+class Outcome:
+    status: str  # passed, failed, error, skipped
+    message: str
+    points: float | None
+
+
+def run_pytest(tmp_path: Path, code_folder: Path, targets: list[Path], *extra: str, timeout: float = 400):
+    """Run pytest on ``targets`` with ``code_folder`` first on PYTHONPATH; return {test id: Outcome}."""
+    report = tmp_path / f"report-{code_folder.name}.xml"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(code_folder), *filter(None, [env.get("PYTHONPATH")])])
+    command = [sys.executable, "-m", "pytest", *map(str, targets), "-p", "no:cacheprovider", "-q"]
+    command += [f"--junitxml={report}", "-o", "junit_family=xunit1", *extra]
+    process = subprocess.Popen(
+        command,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        pytest.fail(f"pytest on {code_folder} did not finish in {timeout} s:\n{output[-5000:]}")
+    assert process.returncode in (0, 1), (
+        f"pytest could not run the tests (exit {process.returncode}):\n{output}"
+    )
+    outcomes = {}
+    for case in ET.parse(report).getroot().iter("testcase"):
+        test_id = f"{case.get('classname')}.{case.get('name')}"
+        status, message = "passed", ""
+        for child_status in ("failure", "error", "skipped"):
+            child = case.find(child_status)
+            if child is not None:
+                status = {"failure": "failed"}.get(child_status, child_status)
+                message = (child.get("message") or "") + "\n" + (child.text or "")
+        points = next(
+            (float(p.get("value")) for p in case.iter("property") if p.get("name") == "points"), None
+        )
+        outcomes[test_id] = Outcome(status, message, points)
+    assert outcomes, f"no tests ran:\n{output}"
+    return outcomes, output
+
+
+def describe(outcomes: dict[str, Outcome]) -> str:
+    return "\n".join(f"{test_id}: {o.status} {o.message[:300]}" for test_id, o in outcomes.items())
+
+
+def is_hidden(test_id: str) -> bool:
+    return test_id.startswith(f"grader.{NAME}.")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_solution_passes_public_and_hidden_tests(tmp_path):
+    outcomes, output = run_pytest(tmp_path, SOLUTION, [SOLUTION / PUBLIC_TESTS, HIDDEN])
+    not_passed = {t: o for t, o in outcomes.items() if o.status != "passed"}
+    assert not not_passed, describe(not_passed)
+    hidden = [o for t, o in outcomes.items() if is_hidden(t)]
+    public = [o for t, o in outcomes.items() if not is_hidden(t)]
+    assert len(public) >= 10 and len(hidden) >= 50
+    assert all(o.points and o.points > 0 for o in hidden), "every hidden test must carry points"
+    assert all(o.points is None for o in public)
+    total = sum(o.points for o in hidden)
+    assert f"score: {total:g} / {total:g} points" in output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_released_stub_fails_every_test_with_not_implemented(tmp_path):
+    outcomes, _ = run_pytest(tmp_path, STUB, [STUB / PUBLIC_TESTS, HIDDEN])
+    wrong = {
+        t: o for t, o in outcomes.items() if o.status != "failed" or "NotImplementedError" not in o.message
+    }
+    assert not wrong, "tests that did not fail with NotImplementedError:\n" + describe(wrong)
+    for test_id, outcome in outcomes.items():
+        assert "ImportError" not in outcome.message and "did not finish" not in outcome.message, test_id
+    # every public test and every hidden test was run
+    assert sum(is_hidden(t) for t in outcomes) >= 50 and sum(not is_hidden(t) for t in outcomes) >= 10
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_byte_budget_catches_a_gather_and_broadcast_allreduce(tmp_path):
+    outcomes, _ = run_pytest(tmp_path, CHEAT, [HIDDEN], "-k", "ring_allreduce")
+    correctness = {t: o for t, o in outcomes.items() if "budget" not in t}
+    budget = {t: o for t, o in outcomes.items() if "budget" in t}
+    assert len(correctness) >= 8 and len(budget) >= 3
+    # the cheat computes the right values...
+    assert all(o.status == "passed" for o in correctness.values()), describe(correctness)
+    # ... but sends too much, and is told so
+    assert all(o.status == "failed" for o in budget.values()), describe(budget)
+    for outcome in budget.values():
+        assert "over the budget" in outcome.message and "rank 0" in outcome.message
+
+
+def public_signatures(path: Path) -> dict[str, tuple]:
+    """name -> (arguments, docstring) of every top-level function, read without importing."""
+    tree = ast.parse(path.read_text())
+    return {
+        node.name: (
+            ast.dump(node.args),
+            ast.get_docstring(node),
+            ast.dump(node.returns) if node.returns else None,
+        )
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef)
+    }
+
+
+def test_stub_keeps_every_signature_and_docstring():
+    solution, stub = (
+        public_signatures(SOLUTION / "collectives.py"),
+        public_signatures(STUB / "collectives.py"),
+    )
+    assert set(FUNCTIONS) <= set(solution)
+    assert stub == solution
+
+
+STUB_PROBE = """
+import sys
+
+import torch
+
+import collectives
+
+for task, name in enumerate(sys.argv[1:], start=1):
+    extra = [0] if name == "tree_broadcast" else []  # src
+    try:
+        getattr(collectives, name)(None, torch.zeros(2), *extra)
+    except NotImplementedError as error:
+        assert f"TODO(task {task})" in str(error), (name, str(error))
+    else:
+        raise AssertionError(f"{name} did not raise NotImplementedError")
+print("ok")
+"""
+
+
+def test_stub_imports_and_each_function_raises_not_implemented_with_its_task(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(STUB_PROBE)
+    env = {**os.environ, "PYTHONPATH": str(STUB)}
+    result = subprocess.run(
+        [sys.executable, str(probe), *FUNCTIONS],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
