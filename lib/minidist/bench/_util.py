@@ -63,3 +63,15 @@ def save_json(directory: Path, name: str, data) -> Path:
     path = directory / f"{name}.json"
     path.write_text(json.dumps(data, indent=1))
     return path
+
+
+def new_figure(ncols: int = 1, figsize=(6, 4)):
+    """A figure that never touches pyplot's global state (safe to call from a notebook:
+    the notebook's backend and its open figures are left alone)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, ncols)
+    return fig, axes

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ._util import KIB, MIB, human_bytes, out_dir, print_table, save_json, size_range
+from ._util import KIB, MIB, human_bytes, new_figure, out_dir, print_table, save_json, size_range
 
 TRANSPORT_ALGORITHMS = {
     "shm": ("shm", "ring", "butterfly", "tree", "star"),
@@ -184,13 +184,8 @@ def _goals(seconds, sizes, world_size) -> dict:
 
 
 def _plot(seconds, sizes, names, world_size, directory):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     factor = 2 * (world_size - 1) / world_size
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (left, right) = new_figure(2, figsize=(12, 4.5))
     for name in names:
         times = [seconds[name][s] for s in sizes]
         style = "k--" if name == "gloo" else "-o"
@@ -206,5 +201,4 @@ def _plot(seconds, sizes, names, world_size, directory):
     fig.tight_layout()
     path = directory / f"collectives_p{world_size}.png"
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path

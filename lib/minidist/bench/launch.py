@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from ._util import out_dir, print_table, save_json
+from ._util import new_figure, out_dir, print_table, save_json
 
 
 def barrier_worker(comm):
@@ -90,12 +90,7 @@ def run(world_sizes=(1, 2, 4), repeats: int = 5, out: str | None = None, plot: b
     directory = out_dir(out)
     save_json(directory, "launch", {str(k): v for k, v in data.items()})
     if plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig, ax = new_figure(1, figsize=(6, 4))
         for key, label in [
             ("ours_warm", "minidist (forkserver, warm)"),
             ("ours_cold", "minidist (cold)"),
@@ -108,6 +103,5 @@ def run(world_sizes=(1, 2, 4), repeats: int = 5, out: str | None = None, plot: b
         ax.legend()
         fig.tight_layout()
         fig.savefig(directory / "launch.png", dpi=120)
-        plt.close(fig)
         print(f"plot saved to {directory / 'launch.png'}")
     return data

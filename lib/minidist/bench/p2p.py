@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ._util import KIB, MIB, human_bytes, out_dir, print_table, save_json, size_range
+from ._util import KIB, MIB, human_bytes, new_figure, out_dir, print_table, save_json, size_range
 
 
 def iterations_for(size: int, scale: float = 1.0) -> int:
@@ -149,12 +149,7 @@ def _goals(results, sizes) -> dict:
 
 
 def _plot(results, sizes, names, directory):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (left, right) = new_figure(2, figsize=(11, 4))
     for name in names:
         times = [results[name][s] for s in sizes]
         style = "k--" if name == "gloo" else "-o"
@@ -168,5 +163,4 @@ def _plot(results, sizes, names, directory):
     fig.tight_layout()
     path = directory / "p2p.png"
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path
