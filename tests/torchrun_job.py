@@ -8,4 +8,6 @@ import workers
 
 if __name__ == "__main__":
     outs = md.launch(workers.torchrun_ring, transport="torch", timeout=60)
-    print(f"RESULT rank={os.environ['RANK']} " + json.dumps(outs), flush=True)
+    # one file per rank: parsing the shared stdout of several processes is fragile
+    with open(os.path.join(os.environ["MINIDIST_TEST_OUT"], f"rank{os.environ['RANK']}.json"), "w") as f:
+        json.dump(outs, f)
