@@ -50,7 +50,7 @@ def allreduce_worker(comm, algorithms, sizes, repeats: int, with_gloo: bool, sca
 
     out: dict[str, dict[int, float]] = {name: {} for name in (*algorithms, *(["gloo"] if with_gloo else []))}
     for size in sizes:
-        tensor = torch.ones(max(size // 4, 1), dtype=torch.float32)
+        tensor = torch.zeros(max(size // 4, 1), dtype=torch.float32)  # sums of zeros never overflow
         iterations = iterations_for(size, scale)
         for algorithm in algorithms:
             out[algorithm][size] = _time(
