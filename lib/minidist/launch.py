@@ -43,10 +43,8 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -55,6 +53,9 @@ import torch
 import torch.multiprocessing as torch_mp
 
 from . import transport as transports
+from ._output import OutputForwarder
+from ._stacks import collect_stacks
+from ._torchrun import launch_under_torchrun
 from .errors import LaunchTimeout, WorkerError
 
 START_METHODS = ("forkserver", "spawn", "fork")
@@ -197,74 +198,6 @@ def _signal_description(code: int) -> str:
     return f"was killed by {name}{hints.get(name, '')}"
 
 
-class _OutputForwarder:
-    """Copies each worker's stdout/stderr to ours, line by line, prefixed with the rank."""
-
-    def __init__(self) -> None:
-        self._streams: dict[int, tuple[int, Any, bytearray, bool]] = {}
-        self._wake_r, self._wake_w = os.pipe()
-        self._stop = False
-        self._thread = threading.Thread(target=self._run, name="minidist-output", daemon=True)
-
-    def add(self, rank: int, conn, err: bool) -> None:
-        self._streams[conn.fileno()] = (rank, conn, bytearray(), err)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def _emit(self, rank: int, data: bytes, err: bool) -> None:
-        stream = sys.stderr if err else sys.stdout
-        text = data.decode(errors="replace")
-        with contextlib.suppress(Exception):
-            stream.write(f"[rank {rank}] {text}")
-            stream.flush()
-
-    def _run(self) -> None:
-        import selectors
-
-        selector = selectors.DefaultSelector()
-        selector.register(self._wake_r, selectors.EVENT_READ)
-        for fd in self._streams:
-            selector.register(fd, selectors.EVENT_READ)
-        open_fds = set(self._streams)
-        while open_fds:
-            events = selector.select(timeout=0.5)
-            if self._stop and not events:
-                break
-            for key, _ in events:
-                fd = key.fd
-                if fd == self._wake_r:
-                    os.read(fd, 64)
-                    continue
-                rank, _conn, buffer, err = self._streams[fd]
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    selector.unregister(fd)
-                    open_fds.discard(fd)
-                    continue
-                buffer += chunk
-                while b"\n" in buffer:
-                    line, _, rest = bytes(buffer).partition(b"\n")
-                    buffer[:] = rest
-                    self._emit(rank, line + b"\n", err)
-        for rank, _conn, buffer, err in self._streams.values():
-            if buffer:
-                self._emit(rank, bytes(buffer) + b"\n", err)
-        selector.close()
-
-    def stop(self) -> None:
-        """Drain what is left (briefly: a leftover grandchild may hold a pipe open)."""
-        self._stop = True
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
-        if self._thread.is_alive():
-            self._thread.join(timeout=2.0)
-        for _rank, conn, _buffer, _err in self._streams.values():
-            conn.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
-
-
 def _kill_rank(process) -> None:
     pid = process.pid
     if pid is None:
@@ -272,48 +205,6 @@ def _kill_rank(process) -> None:
     for kill in (os.killpg, os.kill):  # the group first: also what the worker started
         with contextlib.suppress(ProcessLookupError, PermissionError):
             kill(pid, signal.SIGKILL)
-
-
-def _collect_stacks(processes, ranks, stack_files) -> dict[int, str]:
-    for rank in ranks:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(processes[rank].pid, signal.SIGUSR1)
-    stacks: dict[int, str] = {}
-    deadline = time.monotonic() + 1.5
-    while time.monotonic() < deadline and len(stacks) < len(ranks):
-        time.sleep(0.05)
-        for rank in ranks:
-            with contextlib.suppress(OSError):
-                text = open(stack_files[rank]).read()
-                if text.strip() and rank not in stacks:
-                    time.sleep(0.05)  # let faulthandler finish writing
-                    stacks[rank] = _tidy_stack(open(stack_files[rank]).read())
-    return stacks
-
-
-def _tidy_stack(text: str) -> str:
-    """Keep what helps a student: frames from fn down; drop launcher plumbing and idle threads."""
-    blocks, current = [], []
-    for line in text.splitlines():
-        if line.startswith(("Thread 0x", "Current thread 0x")) and current:
-            blocks.append(current)
-            current = []
-        current.append(line)
-    if current:
-        blocks.append(current)
-    kept = []
-    for block in blocks:
-        frames = []
-        for line in block:
-            if " in _worker_main" in line:
-                break
-            frames.append(line)
-        body = "\n".join(frames)
-        idle_queue_thread = "comm.py" in body and " in _run" in body and " in _do_" not in body
-        if idle_queue_thread or (len(frames) > 1 and "minidist-output" in body):
-            continue
-        kept.append(body)
-    return "\n".join(kept) if kept else text
 
 
 def _failure_from_message(rank: int, message: bytes):
@@ -395,7 +286,7 @@ def launch(
         raise TypeError(f"args must be a tuple of extra arguments, got {type(args).__name__}")
     torchrun = transports.torch_dist.torchrun_environment()
     if torchrun is not None and _ENV_WORKER not in os.environ:
-        return _launch_under_torchrun(
+        return launch_under_torchrun(
             fn, world_size, tuple(args), kwargs, transport, timeout, device, torchrun
         )
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
@@ -413,7 +304,7 @@ def launch(
     shared, keepalive = transports.setup(transport, world_size)
     stack_dir = tempfile.mkdtemp(prefix="minidist-stacks-")
     processes, result_readers, child_ends = [], [], []
-    forwarder = _OutputForwarder() if forward_output else None
+    forwarder = OutputForwarder() if forward_output else None
     try:
         for rank in range(world_size):
             reader, writer = context.Pipe(duplex=False)
@@ -524,9 +415,7 @@ def _wait_for_results(processes, readers, timeout, stack_dir) -> list:
             wait_for = max(0.0, first_failure_at + _FAILURE_GRACE - now)
         if wait_for is not None and wait_for <= 0 and first_failure_at is None:
             stuck = sorted(pending)
-            stacks = _collect_stacks(
-                processes, stuck, [f"{stack_dir}/rank{r}.txt" for r in range(world_size)]
-            )
+            stacks = collect_stacks(processes, stuck, [f"{stack_dir}/rank{r}.txt" for r in range(world_size)])
             raise LaunchTimeout(stuck, stacks, timeout)
         watch = [r for r in open_readers if reader_rank[r] in pending]
         watch += [p.sentinel for r, p in enumerate(processes) if r in pending]
@@ -585,43 +474,3 @@ def _check_device(device: str, world_size: int, start_method: str) -> None:
         )
     if start_method == "fork":
         raise ValueError("CUDA does not work in forked processes; use start_method='forkserver' or 'spawn'")
-
-
-def _launch_under_torchrun(fn, world_size, args, kwargs, transport, timeout, device, env) -> list:
-    """This process is one rank of a torchrun job: run fn here, gather all results."""
-    import torch.distributed as dist
-
-    if world_size is not None and world_size != env["world_size"]:
-        raise ValueError(
-            f"launch(world_size={world_size}) under torchrun, which started WORLD_SIZE="
-            f"{env['world_size']} processes: pass world_size=None or make them agree"
-        )
-    if transport != "torch":
-        warnings.warn(
-            f"under torchrun ranks may be on different machines: using transport='torch' "
-            f"instead of {transport!r}",
-            stacklevel=3,
-        )
-    torch_device = torch.device(device)
-    if torch_device.type == "cuda":
-        torch_device = torch.device("cuda", env["local_rank"])
-        torch.cuda.set_device(torch_device)
-    comm = transports.TorchComm(
-        env["rank"],
-        env["world_size"],
-        None,
-        local_rank=env["local_rank"],
-        device=torch_device,
-        timeout=timeout,
-    )
-    if timeout is not None:  # no parent watches us: dump our stack and exit if stuck
-        faulthandler.dump_traceback_later(timeout, exit=True)
-    try:
-        value = fn(comm, *args, **kwargs)
-        values: list = [None] * env["world_size"]
-        dist.all_gather_object(values, value)
-    finally:
-        if timeout is not None:
-            faulthandler.cancel_dump_traceback_later()
-        comm.close()
-    return values
