@@ -238,14 +238,27 @@ class ShmComm(Communicator):
         super().reset_stats()
         self._fast_stats[:] = [0, 0, 0, 0]
 
+    def _threads_busy(self) -> bool:
+        for queues in (self._send_queues, self._recv_queues):
+            for peer_queue in queues.values():
+                if peer_queue.pending:
+                    return True
+        return False
+
     @staticmethod
     def _idle(queues, peer) -> bool:
         peer_queue = queues.get(peer)
         return peer_queue is None or peer_queue.pending == 0
 
-    def _wait_at_least(self, counter: np.ndarray, value: int, peer: int, what: str) -> None:
-        """Wait until ``counter[0] >= value`` (spin, then yield, then sleep)."""
-        spin = self._spin
+    def _wait_at_least(self, counter, value: int, peer: int, what: str) -> None:
+        """Wait until ``counter.value >= value`` (spin, then yield, then sleep).
+
+        A spinning thread holds the GIL: while an isend/irecv is running in one of
+        our background threads, spin only briefly and then yield with sleep(0),
+        or that thread would wait up to the interpreter's 5 ms switch interval
+        before it may copy its next chunk.
+        """
+        spin = self._spin if not self._threads_busy() else 20
         while counter.value < value:
             spin -= 1
             if spin <= 0:
