@@ -8,7 +8,7 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider
 LAB_DIR ?= notebooks
 NBVAL  := --nbval --nbval-current-env --nbval-cell-timeout=300
 
-.PHONY: help setup lab test test-lib notebooks lint format bench clean release release-check
+.PHONY: help setup lab test test-lib notebooks lint format bench clean release release-check grade
 
 help:
 	@echo "make lab        set up .venv, register the kernel, open JupyterLab on notebooks/"
@@ -19,6 +19,7 @@ help:
 	@echo "make bench      the benchmarks (p2p, launch, collectives); results in bench-results/"
 	@echo "make format     ruff format + autofix"
 	@echo "make release    regenerate assignments/ from solutions/ (instructors)"
+	@echo "make grade      grade the example submissions of a1 into grader-results/ (instructors)"
 
 $(STAMP): pyproject.toml scripts/setup_venv.py
 	$(PYTHON) scripts/setup_venv.py --venv $(VENV)
@@ -50,6 +51,14 @@ release: $(STAMP)
 release-check: $(STAMP)
 	$(PY) -m grader release --check
 
+# The instructor's "hello world": grade a handful of example students (correct, partial,
+# wrong, deadlocking, crashing) in sandboxes. GRADE_ARGS="--jobs 2 --force" etc.
+GRADE_ARGS ?= --jobs 2 --test-timeout 10
+grade: $(STAMP)
+	rm -rf grader-results/submissions
+	$(PY) -m grader.examples.a1_collectives.make grader-results/submissions
+	$(PY) -m grader grade a1_collectives grader-results/submissions --out grader-results/a1_collectives $(GRADE_ARGS)
+
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
@@ -61,4 +70,4 @@ bench: $(STAMP)
 	$(PY) -m minidist.bench collectives --world-size 4
 
 clean:
-	rm -rf $(VENV) bench-results .pytest_cache .ruff_cache
+	rm -rf $(VENV) bench-results grader-results .pytest_cache .ruff_cache

@@ -9,17 +9,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import release
+from . import grade, gradescope, release
 
 #: name -> (module, one-line help)
 COMMANDS = {
     "release": (release, "generate assignments/ from solutions/ (--check: fail if it is stale)"),
+    "gradescope": (
+        gradescope,
+        "build a Gradescope autograder zip (setup.sh, run_autograder) for an assignment",
+    ),
+    "grade": (grade, "grade a folder of submissions in sandboxes: gradebook.csv, results.json, feedback.md"),
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m grader", description="The instructor's tools: release assignments from solutions/."
+        prog="python -m grader", description="The instructor's tools: release assignments, grade submissions."
     )
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():

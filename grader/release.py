@@ -365,10 +365,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--root", type=Path, default=ROOT, help="course repository (default: this one)")
     parser.add_argument("--out", type=Path, default=None, help="where to write (default: ROOT/assignments)")
+    parser.add_argument(
+        "--repo",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="instead: build the whole repository students receive into DIR (no solutions/, no grader/)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
     root = args.root.resolve()
+    if args.repo is not None:
+        from . import student_repo
+
+        try:
+            written = student_repo.build(root, args.repo.resolve())
+        except ReleaseError as error:
+            print(f"release failed: {error}", file=sys.stderr)
+            return 2
+        print(f"wrote the student repository ({len(written)} files) into {args.repo}")
+        return 0
     out = (args.out or root / "assignments").resolve()
     names = args.assignments or None
     try:

@@ -41,21 +41,33 @@ def launch(worker, function: str, world_size: int, args: tuple, transport: str =
     try:
         return md.launch(worker, world_size, args=args, transport=transport, timeout=TIMEOUT)
     except md.WorkerError as error:
-        if error.exc_type == "NotImplementedError":
-            failure = (
-                f"{function} is not implemented: rank {error.rank} raised {error.summary} "
-                f"(TODO(task {TASKS[function]}) in collectives.py)"
-            )
-        elif error.exc_type in ("ImportError", "ModuleNotFoundError", "SyntaxError"):
-            failure = f"could not import collectives.py: {error}"
-        else:
-            failure = f"{function} failed on {world_size} ranks (transport {transport!r}): {error}"
-    except md.LaunchTimeout as error:
-        failure = (
-            f"{function} did not finish within {TIMEOUT} s on {world_size} ranks "
-            f"(transport {transport!r}); a deadlock? {error}"
+        failure = worker_failure(
+            function, world_size, transport, error.exc_type, error.rank, error.summary, str(error)
         )
+    except md.LaunchTimeout as error:
+        failure = timeout_failure(function, world_size, transport, TIMEOUT, str(error))
     pytest.fail(failure, pytrace=False)
+
+
+def worker_failure(
+    function: str, world_size: int, transport: str, exc_type: str, rank: int, summary: str, text: str
+) -> str:
+    """What to tell the student when a rank raised (``exc_type`` "") or died (md.WorkerError's fields)."""
+    if exc_type == "NotImplementedError":
+        return (
+            f"{function} is not implemented: rank {rank} raised {summary} "
+            f"(TODO(task {TASKS[function]}) in collectives.py)"
+        )
+    if exc_type in ("ImportError", "ModuleNotFoundError", "SyntaxError"):
+        return f"could not import collectives.py: {text}"
+    return f"{function} failed on {world_size} ranks (transport {transport!r}): {text}"
+
+
+def timeout_failure(function: str, world_size: int, transport: str, seconds: float, text: str) -> str:
+    return (
+        f"{function} did not finish within {seconds:g} s on {world_size} ranks "
+        f"(transport {transport!r}); a deadlock? {text}"
+    )
 
 
 def describe(case: dict) -> str:
@@ -124,6 +136,25 @@ def expected_of(function: str, case: dict, inputs: list[torch.Tensor], rank: int
 def run_and_check(function: str, world_size: int, cases: list[dict], transport: str = "shm") -> list:
     """Run the cases, check every rank's result (and that inputs stay untouched); return the reports."""
     outs = launch(workers.run_cases, function, world_size, (function, cases), transport)
+    check_values(function, world_size, cases, outs, transport)
+    return outs
+
+
+def check_values(
+    function: str, world_size: int, cases: list[dict], outs: list, transport: str = "shm"
+) -> None:
+    """Every rank's result of every case against a single-process reference; inputs must stay untouched.
+
+    ``outs[rank][case index]`` is what ``workers.run_cases`` reported. The grader calls this
+    too, in its own (trusted) process, on reports read back from the sandbox.
+    """
+    if not isinstance(outs, list) or len(outs) != world_size:
+        pytest.fail(f"{function}: expected reports from {world_size} ranks", pytrace=False)
+    for rank_reports in outs:
+        if not isinstance(rank_reports, list) or len(rank_reports) != len(cases):
+            pytest.fail(f"{function}: expected {len(cases)} reports per rank", pytrace=False)
+        if not all(isinstance(report, dict) and "result" in report for report in rank_reports):
+            pytest.fail(f"{function}: a report without a result", pytrace=False)
     for index, case in enumerate(cases):
         inputs = inputs_of(case, world_size)
         dtype = workers.DTYPES[case.get("dtype", "float32")]
@@ -132,9 +163,17 @@ def run_and_check(function: str, world_size: int, cases: list[dict], transport: 
             where = f"{function} on {world_size} ranks ({transport}), {describe(case)}: rank {rank}"
             expected, tolerance = expected_of(function, case, inputs, rank)
             check_close(where, report["result"], expected, tolerance, dtype)
-            if "input_after" in report and not torch.equal(report["input_after"], inputs[rank]):
+            if "input_after" in report and not _same(report["input_after"], inputs[rank]):
                 pytest.fail(f"{where}: the input was modified; {function} must leave it alone", pytrace=False)
-    return outs
+
+
+def _same(got, expected: torch.Tensor) -> bool:
+    return (
+        isinstance(got, torch.Tensor)
+        and got.shape == expected.shape
+        and got.dtype == expected.dtype
+        and torch.equal(got, expected)
+    )
 
 
 # --- the inputs ----------------------------------------------------------------------------
@@ -207,6 +246,10 @@ def test_tree_broadcast(world_size):
 def test_tree_broadcast_sends_along_a_binomial_tree(world_size):
     cases = budget_cases("tree_broadcast", world_size)
     outs = run_and_check("tree_broadcast", world_size, cases)
+    check_tree_broadcast_budget(world_size, cases, outs)
+
+
+def check_tree_broadcast_budget(world_size: int, cases: list[dict], outs: list) -> None:
     rounds = math.ceil(math.log2(world_size))
     why = (
         f"A binomial tree takes ceil(log2 p) = {rounds} rounds: the source sends {rounds} messages, "
@@ -225,9 +268,11 @@ def test_tree_broadcast_sends_along_a_binomial_tree(world_size):
             }
             check_budget("tree_broadcast", world_size, case, rank, stats, limits, why)
         total = sum(reports[index]["stats"]["messages_sent"] for reports in outs)
-        assert total == world_size - 1, (
-            f"tree_broadcast on {world_size} ranks: {total} messages in all; a tree sends exactly p - 1"
-        )
+        if total != world_size - 1:
+            pytest.fail(
+                f"tree_broadcast on {world_size} ranks: {total} messages in all; a tree sends exactly p - 1",
+                pytrace=False,
+            )
 
 
 # --- task 2: ring_allgather ------------------------------------------------------------------
@@ -242,6 +287,10 @@ def test_ring_allgather(world_size):
 def test_ring_allgather_budget(world_size):
     cases = budget_cases("ring_allgather", world_size)
     outs = run_and_check("ring_allgather", world_size, cases)
+    check_ring_allgather_budget(world_size, cases, outs)
+
+
+def check_ring_allgather_budget(world_size: int, cases: list[dict], outs: list) -> None:
     p = world_size
     for index, case in enumerate(cases):
         _, nbytes = nbytes_of(case)
@@ -267,6 +316,12 @@ def test_ring_reduce_scatter(world_size):
 @pytest.mark.parametrize("world_size, shape", [(3, (4, 2)), (4, (2,)), (4, (6, 0))])
 def test_ring_reduce_scatter_rejects_indivisible_first_dimension(world_size, shape):
     outs = launch(workers.reduce_scatter_rejects, "ring_reduce_scatter", world_size, (shape,))
+    check_rejects(world_size, shape, outs)
+
+
+def check_rejects(world_size: int, shape: tuple[int, ...], outs: list) -> None:
+    if not isinstance(outs, list) or len(outs) != world_size:
+        pytest.fail(f"ring_reduce_scatter: expected reports from {world_size} ranks", pytrace=False)
     for rank, out in enumerate(outs):
         where = f"ring_reduce_scatter on {world_size} ranks, input shape {shape}: rank {rank}"
         if out["error"] is None:
@@ -284,6 +339,10 @@ def test_ring_reduce_scatter_rejects_indivisible_first_dimension(world_size, sha
 def test_ring_reduce_scatter_budget(world_size):
     cases = budget_cases("ring_reduce_scatter", world_size)
     outs = run_and_check("ring_reduce_scatter", world_size, cases)
+    check_ring_reduce_scatter_budget(world_size, cases, outs)
+
+
+def check_ring_reduce_scatter_budget(world_size: int, cases: list[dict], outs: list) -> None:
     p = world_size
     for index, case in enumerate(cases):
         _, nbytes = nbytes_of(case)
@@ -318,6 +377,10 @@ def test_allreduce_large(function, world_size):
 def test_ring_allreduce_budget(world_size):
     cases = budget_cases("ring_allreduce", world_size)
     outs = run_and_check("ring_allreduce", world_size, cases)
+    check_ring_allreduce_budget(world_size, cases, outs)
+
+
+def check_ring_allreduce_budget(world_size: int, cases: list[dict], outs: list) -> None:
     p = world_size
     for index, case in enumerate(cases):
         numel, nbytes = nbytes_of(case)
@@ -341,6 +404,10 @@ def test_ring_allreduce_budget(world_size):
 def test_butterfly_allreduce_budget(world_size):
     cases = budget_cases("butterfly_allreduce", world_size)
     outs = run_and_check("butterfly_allreduce", world_size, cases)
+    check_butterfly_allreduce_budget(world_size, cases, outs)
+
+
+def check_butterfly_allreduce_budget(world_size: int, cases: list[dict], outs: list) -> None:
     p = world_size
     p2 = 1 << (p.bit_length() - 1)
     rem = p - p2

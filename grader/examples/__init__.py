@@ -1,0 +1,1 @@
+"""Example submissions for trying the grader (``make grade``) and for its tests."""

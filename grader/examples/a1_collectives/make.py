@@ -1,0 +1,325 @@
+"""Write example submissions of assignment 1, as an instructor would download them.
+
+``python -m grader.examples.a1_collectives.make OUT [--bad]`` writes, into OUT:
+
+* realistic students (``make grade`` grades these): ``alice`` (correct: the solution),
+  ``bob`` (partially correct: broadcast, allgather and reduce-scatter right; a ring allreduce
+  that gathers and sums -- right values, over the byte budget -- and no butterfly), ``carol``
+  (wrong answers everywhere), ``dave`` (a ring allreduce in which every rank first waits for
+  its left neighbour: a deadlock), ``erin`` (imports a module that does not exist), and
+  ``frank.zip`` (correct, inside an extra folder, with a conftest.py and pytest.ini that must
+  change nothing);
+* with ``--bad``, the hostile and broken cases the grader's tests use (``BAD``: each with
+  the status and the score it must get on ``tests/test_grade.py``'s subset of tests).
+
+The submissions are generated from ``solutions/`` and ``assignments/`` (so they follow the
+assignment when it changes) plus the short snippets below; zips are built here, none is
+committed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import io
+import stat
+import textwrap
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+SOLUTION = ROOT / "solutions" / "a1_collectives" / "collectives.py"
+STUB = ROOT / "assignments" / "a1_collectives" / "collectives.py"
+FILE = "collectives.py"
+
+
+def replace_function(source: str, name: str, new: str) -> str:
+    """``source`` with the top-level function ``name`` replaced by ``new`` (its full ``def``)."""
+    tree = ast.parse(source)
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    lines = source.splitlines(keepends=True)
+    start = node.lineno - 1 - len(node.decorator_list)
+    return (
+        "".join(lines[:start]) + textwrap.dedent(new).strip("\n") + "\n" + "".join(lines[node.end_lineno :])
+    )
+
+
+def function_source(source: str, name: str) -> str:
+    tree = ast.parse(source)
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    return "".join(source.splitlines(keepends=True)[node.lineno - 1 : node.end_lineno])
+
+
+def prepend(source: str, code: str) -> str:
+    """Insert ``code`` after the module's imports (it runs when the module is imported)."""
+    marker = "from minidist import Communicator\n"
+    return source.replace(marker, marker + "\n" + textwrap.dedent(code).strip("\n") + "\n", 1)
+
+
+def with_prologue(source: str, name: str, code: str) -> str:
+    """Run ``code`` at the start of function ``name`` (after its docstring), then the original body."""
+    tree = ast.parse(source)
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    first = node.body[1] if ast.get_docstring(node) else node.body[0]
+    lines = source.splitlines(keepends=True)
+    indent = " " * first.col_offset
+    inserted = "".join(indent + line + "\n" for line in textwrap.dedent(code).strip("\n").splitlines())
+    return "".join(lines[: first.lineno - 1]) + inserted + "".join(lines[first.lineno - 1 :])
+
+
+# --- realistic students ----------------------------------------------------------------------
+GATHER_ALLREDUCE = '''
+def ring_allreduce(comm, tensor):
+    """Allgather everything, then add it up: right values, far more bytes than a ring."""
+    everything = ring_allgather(comm, tensor.contiguous())
+    tensor.copy_(everything.sum(0))
+'''
+
+WRONG = {
+    "tree_broadcast": """
+def tree_broadcast(comm, tensor, src):
+    if comm.rank != src:
+        tensor.zero_()  # forgot to receive
+""",
+    "ring_allgather": """
+def ring_allgather(comm, tensor):
+    return torch.stack([tensor] * comm.world_size)  # my own tensor, p times
+""",
+    "ring_reduce_scatter": """
+def ring_reduce_scatter(comm, tensor):
+    m = tensor.shape[0] // comm.world_size
+    return tensor[comm.rank * m : (comm.rank + 1) * m].clone()  # no sum
+""",
+    "ring_allreduce": """
+def ring_allreduce(comm, tensor):
+    tensor.mul_(comm.world_size)  # "everyone has about the same values"
+""",
+    "butterfly_allreduce": """
+def butterfly_allreduce(comm, tensor):
+    tensor.mul_(comm.world_size)
+""",
+}
+
+RECV_FIRST_RING = '''
+def ring_allreduce(comm, tensor):
+    """Every rank first waits for its left neighbour... who waits for its own: a deadlock."""
+    p, rank = comm.world_size, comm.rank
+    if p == 1:
+        return
+    incoming = torch.empty_like(tensor)
+    for _ in range(p - 1):
+        comm.recv(incoming, (rank - 1) % p)
+        comm.send(tensor, (rank + 1) % p)
+        tensor += incoming
+'''
+
+
+def realistic(solution: str, stub: str) -> dict[str, dict[str, bytes] | bytes]:
+    """student -> {file: content} (a folder) or bytes (a .zip)."""
+    bob = replace_function(solution, "ring_allreduce", GATHER_ALLREDUCE)
+    bob = replace_function(bob, "butterfly_allreduce", function_source(stub, "butterfly_allreduce"))
+    carol = solution
+    for name, code in WRONG.items():
+        carol = replace_function(carol, name, code)
+    frank = {
+        f"frank/{FILE}": solution.encode(),
+        "frank/conftest.py": b"import pytest\n\n\ndef pytest_runtest_call(item):\n    pass\n",
+        "frank/pytest.ini": b"[pytest]\naddopts = -p no:terminal\n",
+        "frank/test_a1_collectives.py": b"def test_nothing():\n    assert True\n",
+    }
+    return {
+        "alice": {FILE: solution.encode()},
+        "bob": {FILE: bob.encode()},
+        "carol": {FILE: carol.encode()},
+        "dave": {FILE: replace_function(solution, "ring_allreduce", RECV_FIRST_RING).encode()},
+        "erin": {FILE: prepend(solution, "import minidist_extras  # not installed anywhere").encode()},
+        "frank.zip": zip_bytes(frank),
+    }
+
+
+# --- hostile and broken cases (tests) --------------------------------------------------------
+FORK_BOMB = """
+import os
+while True:  # bounded by RLIMIT_NPROC and the test's timeout
+    try:
+        os.fork()
+    except OSError:
+        pass
+"""
+MEMORY_HOG = """
+if comm.rank == 0:
+    hog = []
+    while True:  # 1 GiB a time, touched: stopped by RLIMIT_AS
+        hog.append(torch.ones(2**28))
+"""
+FLOOD = """
+import os
+line = b"x" * 1023 + b"\\n"
+block = line * 1024
+while True:  # 1 MiB a time on stdout, until the test's timeout
+    os.write(1, block)
+"""
+SLEEPER = """
+import os
+import subprocess
+if os.fork() == 0:  # a daemon: new session, parent gone -- only its user id gives it away
+    os.setsid()
+    subprocess.Popen(["sleep", "1000"], start_new_session=True)
+    os._exit(0)
+"""
+CHEAT = """
+import json, os, sys
+os.makedirs("results", exist_ok=True)
+for index in range(100):  # fake records for every job the harness could run
+    with open(os.path.join("results", f"t{index:03d}.json"), "w") as file:
+        json.dump({"value": "PASSED", "seconds": 0}, file)
+with open("results.json", "w") as file:
+    json.dump({"score": 87, "max_score": 87, "tests": []}, file)
+print("score: 87 / 87 points")
+print("====== 71 passed ======")
+try:
+    import minidist, pytest  # monkeypatching in this process changes nothing elsewhere
+    minidist.launch = lambda *args, **kwargs: "PASSED"
+    pytest.fail = lambda *args, **kwargs: None
+except Exception:
+    pass
+if os.fork() == 0:  # keep overwriting the real records while the grading goes on
+    os.setsid()
+    for _ in range(600):
+        for name in os.listdir("results"):
+            if name.endswith(".json"):
+                try:
+                    with open(os.path.join("results", name), "w") as file:
+                        json.dump({"value": "PASSED", "seconds": 0}, file)
+                except OSError:
+                    pass
+        import time
+        time.sleep(0.05)
+    os._exit(0)
+"""
+SNOOP = """
+import glob, os
+secrets = [
+    "../../solutions/a1_collectives/collectives.py",
+    "{root}/solutions/a1_collectives/collectives.py",
+    "{root}/grader/a1_collectives/test_hidden.py",
+    "{root}/.git/HEAD",
+    "/root/.bash_history",
+]
+found = [path for path in secrets if os.path.exists(path)]
+found += glob.glob("/tmp/*/gradebook.csv") + glob.glob("/tmp/**/results.json", recursive=True)
+if found:
+    raise RuntimeError(f"could read: {{found}}")
+"""
+
+
+def bad_cases(solution: str, stub: str) -> dict[str, dict[str, bytes] | bytes]:
+    def zip_with(*members: tuple[zipfile.ZipInfo | str, bytes]) -> bytes:
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+            for info, data in members:
+                archive.writestr(info, data)
+        return buffer.getvalue()
+
+    link = zipfile.ZipInfo(FILE)
+    link.external_attr = (stat.S_IFLNK | 0o777) << 16
+    return {
+        "traversal.zip": zip_with((FILE, solution.encode()), ("../../escaped.py", b"x = 1\n")),
+        "symlink.zip": zip_with((link, b"/etc/passwd")),
+        "empty.zip": zip_with(),
+        "corrupt.zip": b"PK\x03\x04 this is not really a zip file" * 10,
+        "bomb.zip": zip_with((FILE, solution.encode()), ("data.bin", bytes(60 * 2**20))),
+        "missing": {"notes.txt": b"I forgot to attach my code\n"},
+        "syntax": {FILE: solution.replace("def tree_broadcast(", "def tree_broadcast((", 1).encode()},
+        "exit_at_import": {FILE: prepend(stub, "import sys\nsys.exit(3)").encode()},
+        "os_exit_at_import": {FILE: prepend(stub, "import os\nos._exit(0)").encode()},
+        "os_exit_in_worker": {
+            FILE: with_prologue(
+                solution, "tree_broadcast", "import os\nif comm.rank == 1:\n    os._exit(7)"
+            ).encode()
+        },
+        "infinite_loop": {FILE: with_prologue(solution, "ring_allgather", "while True:\n    pass").encode()},
+        "fork_bomb": {FILE: with_prologue(solution, "ring_allgather", FORK_BOMB).encode()},
+        "memory_hog": {FILE: with_prologue(solution, "ring_allgather", MEMORY_HOG).encode()},
+        "flood": {FILE: with_prologue(solution, "ring_allgather", FLOOD).encode()},
+        "sleeper": {FILE: with_prologue(solution, "tree_broadcast", SLEEPER).encode()},
+        "cheat": {FILE: prepend(stub, CHEAT).encode()},
+        "snoop": {FILE: with_prologue(solution, "tree_broadcast", SNOOP.format(root=ROOT)).encode()},
+        "conftest": {
+            FILE: stub.encode(),
+            "conftest.py": b"import pytest\n\n\n@pytest.hookimpl(tryfirst=True)\n"
+            b"def pytest_runtest_call(item):\n    return True\n",
+            "pytest.ini": b"[pytest]\naddopts = -p no:python\n",
+        },
+    }
+
+
+#: student -> (status, score) on tests/test_grade.py's SUBSET (4 tests, 1 point each)
+BAD = {
+    "traversal": ("invalid_submission", 0),
+    "symlink": ("invalid_submission", 0),
+    "empty": ("invalid_submission", 0),
+    "corrupt": ("invalid_submission", 0),
+    "bomb": ("invalid_submission", 0),
+    "missing": ("invalid_submission", 0),
+    "syntax": ("invalid_submission", 0),
+    "exit_at_import": ("import_error", 0),
+    "os_exit_at_import": (None, 0),  # the process vanishes without a word: status ok or import_error
+    "os_exit_in_worker": ("ok", 3),
+    "infinite_loop": ("ok", 3),
+    "fork_bomb": ("ok", 3),
+    "memory_hog": ("ok", 3),
+    "flood": ("ok", 3),
+    "sleeper": ("ok", 4),
+    "cheat": (None, 0),
+    "snoop": ("ok", 4),
+    "conftest": ("ok", 0),
+}
+
+
+def zip_bytes(files: dict[str, bytes]) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for name, data in sorted(files.items()):
+            archive.writestr(name, data)
+    return buffer.getvalue()
+
+
+def write(out: Path, submissions: dict[str, dict[str, bytes] | bytes]) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, content in submissions.items():
+        target = out / name
+        if isinstance(content, bytes):
+            target.write_bytes(content)
+        else:
+            for file, data in content.items():
+                (target / file).parent.mkdir(parents=True, exist_ok=True)
+                (target / file).write_bytes(data)
+        written.append(target)
+    return written
+
+
+def build_dict(bad: bool = False) -> dict[str, dict[str, bytes] | bytes]:
+    solution, stub = SOLUTION.read_text(), STUB.read_text()
+    submissions = realistic(solution, stub)
+    if bad:
+        submissions.update(bad_cases(solution, stub))
+    return submissions
+
+
+def build(out: Path, bad: bool = False) -> list[Path]:
+    return write(out, build_dict(bad))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--bad", action="store_true", help="also the hostile and broken cases")
+    args = parser.parse_args()
+    written = build(args.out, bad=args.bad)
+    print(f"wrote {len(written)} submissions into {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""``python -m grader grade ASSIGNMENT SUBMISSIONS_DIR --out OUT_DIR``: grade a folder of submissions.
+
+For each submission (a folder or a .zip named by student id; see ``intake.py``):
+
+1. keep only the student files (``collectives.py``); an unusable submission gets the status
+   ``invalid_submission`` with the reason, and the batch goes on;
+2. build a fresh working directory with those files, the assignment's worker modules and
+   ``harness.py`` -- never ``test_hidden.py``, never a student's tests or ``conftest.py``;
+3. run the harness there in a sandbox (``sandbox.py``: own session, limits, private mounts,
+   an unprivileged user of its own when run as root); it launches each hidden test's job and
+   writes the raw results as JSON and .npy;
+4. check every test's results *here*, against references computed here from seeds the
+   grader chose for this student (``grader/<name>/grading.py``): a missing, malformed or
+   forged result fails the test, whatever the student's code printed or wrote;
+5. write ``OUT_DIR/<id>/feedback.md`` and ``results.json`` (Gradescope's schema), and at the
+   end ``OUT_DIR/gradebook.csv``.
+
+Deterministic: the seeds are a hash of a key (``OUT_DIR/.seed-key``, created once, or
+``--seed-key``), the assignment and the student id. Resumable: a submission whose
+``results.json`` records the same input hash (its files, the hidden tests, the options, the
+key) is not graded again unless ``--force``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fnmatch
+import hashlib
+import importlib
+import json
+import os
+import queue
+import secrets
+import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from pathlib import Path
+
+import pytest
+from tqdm import tqdm
+
+from . import intake, report, sandbox
+from .plan import GradedTest, TestResult
+from .wire import WireError, read_record
+
+ROOT = Path(__file__).resolve().parent.parent
+HARNESS = Path(__file__).resolve().parent / "harness.py"
+UID_BASE = 64000  # sandbox user ids: UID_BASE + slot, one per parallel job
+GID = 65534  # nogroup
+
+
+def load_assignment(name: str):
+    module_name = f"grader.{name}.grading"
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name in (module_name, f"grader.{name}"):
+            raise SystemExit(
+                f"grade: no assignment {name!r} (expected {module_name.replace('.', '/')}.py)"
+            ) from None
+        raise
+
+
+def select(tests: list[GradedTest], patterns: list[str] | None) -> list[GradedTest]:
+    if not patterns:
+        return tests
+    return [t for t in tests if any(fnmatch.fnmatchcase(t.name, p) for p in patterns)]
+
+
+def config_digest(name: str, args: argparse.Namespace, seed_key: str) -> str:
+    """A hash of everything besides the submission that decides a grade."""
+    h = hashlib.sha256()
+    for path in sorted((ROOT / "grader" / name).glob("*.py")) + [HARNESS]:
+        h.update(path.name.encode() + path.read_bytes())
+    options = {"tests": args.tests, "test_timeout": args.test_timeout, "timeout": args.timeout}
+    h.update(json.dumps(options, sort_keys=True).encode() + seed_key.encode())
+    return h.hexdigest()
+
+
+def student_seed(seed_key: str, assignment: str, student: str) -> int:
+    digest = hashlib.sha256(f"{seed_key}\0{assignment}\0{student}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
+class Grader:
+    def __init__(self, name: str, args: argparse.Namespace, out: Path, seed_key: str) -> None:
+        self.name, self.args, self.out, self.seed_key = name, args, out, seed_key
+        self.module = load_assignment(name)
+        self.isolated = sandbox.can_isolate() and not args.no_isolation
+        if not self.isolated:
+            print(
+                "warning: not root, or no mount namespaces here: submissions run under the grader's own "
+                "user, limited but not isolated (grader/README.md)",
+                file=sys.stderr,
+            )
+        self.work_root = out / ".sandbox"
+        self.test_names = [t.name for t in select(self.module.graded_tests(0), args.tests)]
+        if not self.test_names:
+            raise SystemExit(f"grade: no test of {name} matches {args.tests} (glob patterns; '[[]' is a '[')")
+        self.config = config_digest(name, args, seed_key)
+        self.slots: queue.Queue[int] = queue.Queue()
+        for slot in range(args.jobs):
+            self.slots.put(slot)
+        hide = [ROOT / "solutions", ROOT / "grader", ROOT / ".git", out, Path(args.submissions)]
+        self.hide = tuple(str(p.resolve()) for p in hide)
+
+    def grade(self, submission: intake.Submission) -> report.Graded:
+        digest = hashlib.sha256((submission.digest() + self.config).encode()).hexdigest()
+        if submission.error:
+            return self._all_failed(submission, "invalid_submission", submission.error, digest)
+        slot = self.slots.get()
+        try:
+            return self._run(submission, slot, digest)
+        except Exception as error:  # a bug of ours: one submission's problem, not the batch's
+            return self._all_failed(submission, "error", f"{type(error).__name__}: {error}", digest)
+        finally:
+            self.slots.put(slot)
+
+    def _all_failed(self, submission, status: str, reason: str, digest: str) -> report.Graded:
+        tests = [
+            TestResult(t.name, 0.0, t.points, False, t.function, f"not run: {reason}")
+            for t in select(self.module.graded_tests(0), self.args.tests)
+        ]
+        return report.Graded(submission.student, status, reason, tests, 0.0, digest)
+
+    def _run(self, submission: intake.Submission, slot: int, digest: str) -> report.Graded:
+        seed = student_seed(self.seed_key, self.name, submission.student)
+        tests = select(self.module.graded_tests(seed), self.args.tests)
+        uid = UID_BASE + slot if self.isolated else None
+        token = secrets.token_hex(8)
+        workdir = self.work_root / token
+        try:
+            workdir.mkdir(parents=True)
+            for name, data in submission.files.items():
+                (workdir / name).write_bytes(data)
+            for name in self.module.SANDBOX_FILES:
+                shutil.copyfile(ROOT / "grader" / self.name / name, workdir / name)
+            shutil.copyfile(HARNESS, workdir / "harness.py")
+            jobs = [t.job.as_json(f"t{index:03d}", self.args.test_timeout) for index, t in enumerate(tests)]
+            (workdir / "spec.json").write_text(json.dumps({"jobs": jobs}))
+            (workdir / "results").mkdir()
+            inside = Path(sandbox.work_mount(workdir)) if self.isolated else workdir
+            if uid is not None:
+                for path in [workdir, *workdir.rglob("*")]:
+                    os.chown(path, uid, GID)
+            env = {
+                "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+                "PYTHONPATH": str(inside),
+                "HOME": str(inside),
+                "TMPDIR": "/tmp" if self.isolated else str(workdir),
+                "PYTHONDONTWRITEBYTECODE": "1",
+                "OMP_NUM_THREADS": "1",
+                "LANG": "C.UTF-8",
+            }
+            command = [sys.executable, "-s", str(inside / "harness.py"), "spec.json", "results"]
+            limits = sandbox.Limits(wall_seconds=self.args.timeout, cpu_seconds=int(self.args.timeout) + 60)
+            isolation = sandbox.Isolation(self.isolated, uid, GID if uid is not None else None, self.hide)
+            run = sandbox.run(command, workdir, env, limits, isolation)
+            results_dir = workdir / "results"
+            if results_dir.is_symlink() or not results_dir.is_dir():  # replaced by the student's code
+                results_dir = workdir / "no-results-here"
+            checked = [self._check(test, results_dir, f"t{index:03d}") for index, test in enumerate(tests)]
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        results = [result for result, _ in checked]
+        status, reason = run.status, ""
+        import_errors = [error for _, error in checked if error is not None]
+        if status == "ok" and results and len(import_errors) == len(results):
+            status = "import_error"
+            reason = f"importing {', '.join(self.module.STUDENT_FILES)} failed: {import_errors[0][:300]}"
+        elif run.status == "timeout":
+            reason = f"stopped after {self.args.timeout:g} s"
+        elif run.status == "crashed":
+            reason = f"the sandboxed run exited with status {run.returncode}"
+        return report.Graded(submission.student, status, reason, results, run.seconds, digest, _output(run))
+
+    def _check(self, test: GradedTest, folder: Path, job_id: str) -> tuple[TestResult, str | None]:
+        """The test's result, and the import error that failed it (None: not one)."""
+        result = TestResult(test.name, 0.0, test.points, False, test.function)
+        try:
+            record = read_record(folder, job_id)
+        except WireError as error:
+            result.message = str(error)
+            return result, None
+        result.seconds = record["seconds"]
+        if "error" in record:
+            message = self.module.failure_message(test, record["error"], self.args.test_timeout)
+            result.message = self.module.redact(message)
+            return result, self.module.import_failure(record["error"])
+        try:
+            test.check(record["value"])
+        except (Exception, pytest.fail.Exception) as error:  # pytest.fail's is a BaseException
+            text = str(error) or type(error).__name__
+            if not isinstance(error, (pytest.fail.Exception, AssertionError)):
+                text = f"malformed result ({type(error).__name__}: {text[:200]})"
+            result.message = self.module.redact(text)
+            return result, None
+        result.passed, result.points = True, test.points
+        return result, None
+
+
+def _output(run: sandbox.RunResult, shown: int = 1500) -> str:
+    """The end of what the run printed (the workers' output is forwarded to stdout)."""
+    parts = []
+    for name, text, total in (
+        ("stdout", run.stdout, run.stdout_bytes),
+        ("stderr", run.stderr, run.stderr_bytes),
+    ):
+        if total:
+            cut = f", the last {shown} characters" if total > shown else ""
+            parts.append(f"--- {name}: {total} bytes{cut} ---\n{text[-shown:]}")
+    return "\n".join(parts)
+
+
+def seed_key_for(out: Path, given: str | None) -> str:
+    if given:
+        return given
+    path = out / ".seed-key"
+    if not path.exists():
+        path.write_text(secrets.token_hex(16))
+    return path.read_text().strip()
+
+
+def main(args: argparse.Namespace) -> int:
+    os.umask(0o077)  # everything the grader writes is for root (the instructor) only
+    sandbox.become_subreaper()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    out.chmod(0o700)
+    seed_key = seed_key_for(out, args.seed_key)
+    grader = Grader(args.assignment, args, out, seed_key)
+    paths = intake.discover(Path(args.submissions))
+    submissions = [intake.load(p, grader.module.STUDENT_FILES) for p in paths]
+    seen: set[str] = set()
+    for submission in submissions:
+        if submission.student in seen:
+            submission.error = "two submissions with this id (a folder and a zip?); hand in one"
+        seen.add(submission.student)
+    todo, rows = [], {}
+    for submission in submissions:
+        digest = hashlib.sha256((submission.digest() + grader.config).encode()).hexdigest()
+        previous = None if args.force else report.read_student(out / submission.student)
+        if previous and previous.get("extra_data", {}).get("input_sha256") == digest:
+            rows[submission.student] = previous
+        else:
+            todo.append(submission)
+    if rows:
+        print(f"reusing {len(rows)} finished submission(s) (--force to grade them again)", file=sys.stderr)
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        futures = {pool.submit(grader.grade, s): s for s in todo}
+        bar = tqdm(as_completed(futures), total=len(futures), desc=f"grading {args.assignment}", unit="sub")
+        for future in bar:
+            graded = future.result()
+            report.write_student(out / graded.student, graded, grader.module.HINTS)
+            rows[graded.student] = report.results_json(graded)
+            bar.set_postfix_str(f"{graded.student}: {graded.score:g}/{graded.max_score:g} {graded.status}")
+    book = [report.gradebook_row(s.student, rows[s.student], grader.test_names) for s in submissions]
+    report.write_gradebook(out / "gradebook.csv", book, grader.test_names)
+    shutil.rmtree(grader.work_root, ignore_errors=True)
+    print(report.summary_table(book))
+    print(f"gradebook: {out / 'gradebook.csv'}")
+    return 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("assignment", metavar="ASSIGNMENT", help="e.g. a1_collectives")
+    parser.add_argument(
+        "submissions", metavar="SUBMISSIONS_DIR", help="folders or .zip files named by student id"
+    )
+    parser.add_argument("--out", required=True, help="where gradebook.csv and OUT/<id>/ go")
+    parser.add_argument("--jobs", type=int, default=1, help="submissions graded at once (default 1)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per submission (default 300)")
+    parser.add_argument(
+        "--test-timeout", type=float, default=30.0, help="seconds per test (one launch; default 30)"
+    )
+    parser.add_argument(
+        "--tests", action="append", metavar="PATTERN", help="grade only tests matching (glob)"
+    )
+    parser.add_argument("--force", action="store_true", help="grade again what is already graded")
+    parser.add_argument("--seed-key", default=None, help="secret the input seeds derive from")
+    parser.add_argument(
+        "--no-isolation", action="store_true", help="as root: no private mounts or user (debugging only)"
+    )

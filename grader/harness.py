@@ -1,0 +1,104 @@
+"""The sandbox side of grading: run each job, write what came back as JSON + ``.npy`` files.
+
+Run as ``python harness.py spec.json results/`` inside the sandbox's working directory, which
+holds the student's files and the assignment's worker modules (``SANDBOX_FILES``) -- nothing
+else of the grader. This file is copied there and must stay standalone: it imports only the
+standard library, numpy, torch and minidist, never ``grader``.
+
+It does not import the student's code either: the worker modules do, inside the processes
+``md.launch`` starts. Still, it runs in the student's sandbox, so the grader trusts nothing it
+writes: the files are parsed as data (``json``, ``numpy.load(allow_pickle=False)``) and every
+value is checked by the grader against references it computes itself.
+
+Wire format, per job ``<id>``: ``<id>.json`` holds ``{"value": V}`` or ``{"error": {...}}``,
+where in ``V`` a tensor is ``{"$tensor": "<id>-<n>.npy", "dtype": "float32"}`` (bfloat16 is
+stored as its int16 bits) and lists, dicts with string keys, numbers, strings and None are
+themselves.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+import torch
+
+import minidist as md
+
+_AS_BITS = {torch.bfloat16: torch.int16}
+MAX_TEXT = 8000  # characters of an error text kept
+
+
+class Encoder:
+    def __init__(self, folder: str, job_id: str) -> None:
+        self.folder, self.job_id, self.count = folder, job_id, 0
+
+    def encode(self, value):
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach().cpu().contiguous()
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            if tensor.dtype in _AS_BITS:
+                tensor = tensor.view(_AS_BITS[tensor.dtype])
+            name = f"{self.job_id}-{self.count}.npy"
+            self.count += 1
+            np.save(os.path.join(self.folder, name), tensor.numpy(), allow_pickle=False)
+            return {"$tensor": name, "dtype": dtype}
+        if isinstance(value, dict):
+            return {str(key): self.encode(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.encode(item) for item in value]
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        return {"$unsupported": type(value).__name__}
+
+
+def run_job(job: dict, folder: str) -> dict:
+    module = importlib.import_module(job["module"])
+    worker = getattr(module, job["worker"])
+    try:
+        outs = md.launch(
+            worker,
+            job["world_size"],
+            args=tuple(job["args"]),
+            transport=job["transport"],
+            timeout=job["timeout"],
+        )
+    except md.WorkerError as error:
+        return {
+            "error": {
+                "kind": "worker",
+                "rank": error.rank,
+                "exc_type": error.exc_type,
+                "summary": error.summary[:MAX_TEXT],
+                "text": str(error)[-MAX_TEXT:],
+            }
+        }
+    except md.LaunchTimeout as error:
+        return {"error": {"kind": "timeout", "text": str(error)[-MAX_TEXT:]}}
+    except Exception:  # the harness itself: report, go on with the next job
+        return {"error": {"kind": "harness", "text": traceback.format_exc()[-MAX_TEXT:]}}
+    return {"value": Encoder(folder, job["id"]).encode(outs)}
+
+
+def main(spec_path: str, folder: str) -> int:
+    with open(spec_path) as file:
+        spec = json.load(file)
+    for job in spec["jobs"]:
+        start = time.monotonic()
+        record = run_job(job, folder)
+        record["seconds"] = round(time.monotonic() - start, 3)
+        path = os.path.join(folder, f"{job['id']}.json")
+        with open(path + ".tmp", "w") as file:
+            json.dump(record, file)
+        os.replace(path + ".tmp", path)  # a job's record appears whole, or not at all
+        print(f"harness: {job['id']} done in {record['seconds']} s", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,187 @@
+"""What grading writes: ``results.json`` (Gradescope's schema), ``feedback.md``, ``gradebook.csv``.
+
+``results.json`` follows Gradescope's autograder format (``score``, ``execution_time``,
+``output``, ``visibility``, ``tests[]`` with ``name``, ``score``, ``max_score``, ``status``,
+``output``, ``visibility``); our own fields live in ``extra_data`` (the grading status, its
+reason, and the hash of what was graded, which makes a finished submission reusable).
+
+Nothing written here contains the hidden tests' source or expected values: messages come from
+the trusted checks, redacted by the assignment's ``redact``.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .plan import TestResult
+
+STATUS_HELP = {
+    "ok": "graded",
+    "timeout": "the whole run went over the time limit; tests that had not finished score 0",
+    "crashed": "the grading process in the sandbox died; tests without a result score 0",
+    "invalid_submission": "the submission could not be graded (see the reason)",
+    "import_error": "your module could not be imported, so no test could run",
+    "error": "the grader itself failed on this submission; tell the instructor",
+}
+MAX_MESSAGE = 3000
+MAX_OUTPUT = 4000  # characters of the sandbox's stderr shown
+
+
+@dataclass
+class Graded:
+    student: str
+    status: str
+    reason: str
+    tests: list[TestResult]
+    seconds: float
+    digest: str
+    output: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def score(self) -> float:
+        return sum(t.points for t in self.tests)
+
+    @property
+    def max_score(self) -> float:
+        return sum(t.max_points for t in self.tests)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def results_json(graded: Graded) -> dict:
+    return {
+        "score": graded.score,
+        "max_score": graded.max_score,
+        "execution_time": round(graded.seconds, 1),
+        "visibility": "visible",
+        "output": _top_output(graded),
+        "tests": [
+            {
+                "name": t.name,
+                "score": t.points,
+                "max_score": t.max_points,
+                "status": "passed" if t.passed else "failed",
+                "output": t.message[:MAX_MESSAGE],
+                "visibility": "visible",
+            }
+            for t in graded.tests
+        ],
+        "extra_data": {
+            "status": graded.status,
+            "reason": graded.reason,
+            "input_sha256": graded.digest,
+            "tests_seconds": round(sum(t.seconds for t in graded.tests), 2),  # inside md.launch
+        },
+    }
+
+
+def _top_output(graded: Graded) -> str:
+    text = f"status: {graded.status} ({STATUS_HELP.get(graded.status, '')})"
+    if graded.reason:
+        text += f"\nreason: {graded.reason}"
+    if graded.output.strip():
+        text += "\n\nlast lines of the run's output:\n" + graded.output[-MAX_OUTPUT:]
+    return text
+
+
+def write_student(folder: Path, graded: Graded, hints: dict[str, str]) -> None:
+    """``feedback.md`` first, ``results.json`` last: a results.json means the student is done."""
+    folder.mkdir(parents=True, exist_ok=True)
+    _write_atomic(folder / "feedback.md", feedback_md(graded, hints))
+    _write_atomic(folder / "results.json", json.dumps(results_json(graded), indent=1) + "\n")
+
+
+def read_student(folder: Path) -> dict | None:
+    try:
+        data = json.loads((folder / "results.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("tests"), list) else None
+
+
+def feedback_md(graded: Graded, hints: dict[str, str]) -> str:
+    lines = [
+        f"# Feedback for {graded.student}",
+        "",
+        f"**Score: {graded.score:g} / {graded.max_score:g}** -- status `{graded.status}`: "
+        f"{STATUS_HELP.get(graded.status, '')}.",
+    ]
+    if graded.reason:
+        lines += ["", f"Reason: {graded.reason}"]
+    by_function: dict[str, list[TestResult]] = {}
+    for test in graded.tests:
+        by_function.setdefault(test.function, []).append(test)
+    if by_function:
+        lines += ["", "| function | tests passed | points |", "|---|---|---|"]
+        for function, tests in by_function.items():
+            passed = sum(t.passed for t in tests)
+            lines.append(
+                f"| `{function}` | {passed} / {len(tests)} | "
+                f"{sum(t.points for t in tests):g} / {sum(t.max_points for t in tests):g} |"
+            )
+    failed = [t for t in graded.tests if not t.passed]
+    if failed:
+        lines += ["", "## What failed, and why", ""]
+        shown: set[str] = set()
+        for test in failed:
+            message = test.message.strip()
+            if len(message) > 1200:
+                message = message[:1200] + " [...]"
+            lines += [f"### {test.name} ({test.max_points:g} points)", "", "```", message, "```", ""]
+            if test.function in hints and test.function not in shown:
+                lines += [f"Hint: {hints[test.function]}", ""]
+                shown.add(test.function)
+    elif graded.tests:
+        lines += ["", "Every test passed. Well done."]
+    lines += [
+        "",
+        "The hidden tests run your functions on 1 to 8 ranks, several dtypes, layouts and "
+        "transports, and check the bytes and messages every rank sends.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_gradebook(path: Path, rows: list[dict], test_names: list[str]) -> None:
+    """One row per submission: id, score, max_score, status, reason, then the points per test."""
+    columns = ["id", "score", "max_score", "status", "reason", *test_names]
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(row)
+    os.replace(tmp, path)
+
+
+def gradebook_row(student: str, results: dict, test_names: list[str]) -> dict:
+    extra = results.get("extra_data", {})
+    scores = {t.get("name"): t.get("score", 0) for t in results.get("tests", [])}
+    row = {
+        "id": student,
+        "score": f"{results.get('score', 0):g}",
+        "max_score": f"{results.get('max_score', 0):g}",
+        "status": extra.get("status", ""),
+        "reason": extra.get("reason", "")[:200],
+    }
+    for name in test_names:
+        row[name] = f"{scores.get(name, 0):g}"
+    return row
+
+
+def summary_table(rows: list[dict]) -> str:
+    width = max([len(r["id"]) for r in rows] + [7])
+    lines = [f"{'student':<{width}}  {'score':>13}  status", "-" * (width + 32)]
+    for row in rows:
+        score = f"{row['score']} / {row['max_score']}"
+        reason = f" ({row['reason'][:60]})" if row["reason"] else ""
+        lines.append(f"{row['id']:<{width}}  {score:>13}  {row['status']}{reason}")
+    return "\n".join(lines)

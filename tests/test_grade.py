@@ -1,0 +1,308 @@
+"""``python -m grader grade``: intake, the wire format, and whole batches of real and hostile submissions.
+
+The batches run the grader as a subprocess, as an instructor does. Most use a SUBSET of the
+hidden tests (4 tests, 1 point each) and short per-test timeouts, so that a deadlock or an
+infinite loop costs seconds; one slow test grades the solution and the stub on every test.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import subprocess
+import sys
+import warnings
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from grader import intake, wire
+from grader.a1_collectives import STUDENT_FILES
+from grader.examples.a1_collectives import make
+
+with warnings.catch_warnings():  # `points` is registered by grader/a1_collectives/conftest.py only
+    warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
+    from grader.a1_collectives import grading
+    from grader.a1_collectives import test_hidden as hidden
+
+ROOT = Path(__file__).resolve().parent.parent
+SUBSET = ["test_tree_broadcast[[]3]", "test_ring_allgather[[]3]", "test_allreduce[[]3-*]"]
+SANDBOX_UIDS = range(64000, 64016)
+
+
+def grade(submissions: Path, out: Path, *extra: str, tests=SUBSET, timeout: float = 400) -> str:
+    command = [sys.executable, "-m", "grader", "grade", "a1_collectives", str(submissions), "--out", str(out)]
+    for pattern in tests or []:
+        command += ["--tests", pattern]
+    result = subprocess.run(
+        [*command, *extra], cwd=ROOT, capture_output=True, text=True, timeout=timeout, start_new_session=True
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+def gradebook(out: Path) -> dict[str, dict]:
+    with open(out / "gradebook.csv", newline="") as file:
+        return {row["id"]: row for row in csv.DictReader(file)}
+
+
+def sandbox_processes() -> list[psutil.Process]:
+    alive = []
+    for proc in psutil.process_iter(["uids", "status"]):
+        uids = proc.info["uids"]
+        if uids and uids.real in SANDBOX_UIDS and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            alive.append(proc)
+    return alive
+
+
+# --- the graded tests are the hidden tests ---------------------------------------------------
+def test_graded_tests_are_the_hidden_tests_with_their_points():
+    collected = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "grader/a1_collectives",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    names = [line.split("::", 1)[1] for line in collected.splitlines() if "::" in line]
+    graded = grading.graded_tests(seed=12345)
+    assert [t.name for t in graded] == names
+    for test in graded:
+        function = getattr(hidden, test.name.split("[")[0])
+        marker = next(m for m in function.pytestmark if m.name == "points")
+        assert test.points == marker.args[0], test.name
+
+
+def test_seeds_change_the_inputs_not_the_tests():
+    one, two = grading.graded_tests(1), grading.graded_tests(2)
+    assert [t.name for t in one] == [t.name for t in two]
+    assert one[0].job.args != two[0].job.args  # other seeds
+    json.dumps([t.job.as_json("t", 1.0) for t in one])  # jobs travel as JSON
+
+
+def test_feedback_never_shows_expected_values():
+    message = "f: rank 1: element (3,) is 1.5, expected 2.25 (4 of 10 elements are wrong)"
+    assert "2.25" not in grading.redact(message) and "1.5" in grading.redact(message)
+
+
+# --- intake ------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def examples(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("submissions")
+    make.build(folder, bad=True)
+    return folder
+
+
+INVALID = {name for name, (status, _) in make.BAD.items() if status == "invalid_submission"}
+
+
+@pytest.mark.parametrize("name", sorted(INVALID))
+def test_intake_refuses_broken_and_hostile_submissions(examples, name):
+    path = next(p for p in intake.discover(examples) if intake.student_id(p) == name)
+    submission = intake.load(path, STUDENT_FILES)
+    assert submission.error and not submission.files, submission.error
+
+
+def test_intake_keeps_only_the_student_files_from_a_zip_with_an_extra_folder(examples):
+    submission = intake.load(examples / "frank.zip", STUDENT_FILES)
+    assert not submission.error
+    assert set(submission.files) == {"collectives.py"}  # no conftest.py, pytest.ini or tests
+
+
+def test_intake_counts_bytes_instead_of_trusting_the_zip_header(tmp_path):
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        archive.writestr("collectives.py", "x = 1\n")
+        archive.writestr("big.bin", bytes(intake.MAX_TOTAL_BYTES + 1))
+    (tmp_path / "mallory.zip").write_bytes(buffer.getvalue())
+    assert "MiB" in intake.load(tmp_path / "mallory.zip", STUDENT_FILES).error
+
+
+# --- the wire format ---------------------------------------------------------------------------
+def test_wire_round_trip_and_refusals(tmp_path):
+    values = {
+        "scalar": torch.tensor(2.5),
+        "bf16": torch.randn(3, 2).to(torch.bfloat16),
+        "empty": torch.zeros(4, 0, dtype=torch.int64),
+    }
+    np.save(tmp_path / "t0-0.npy", values["scalar"].numpy())
+    np.save(tmp_path / "t0-1.npy", values["bf16"].view(torch.int16).numpy())
+    np.save(tmp_path / "t0-2.npy", values["empty"].numpy())
+    record = {
+        "value": [
+            {"$tensor": "t0-0.npy", "dtype": "float32"},
+            {"$tensor": "t0-1.npy", "dtype": "bfloat16"},
+            {"$tensor": "t0-2.npy", "dtype": "int64"},
+        ]
+    }
+    (tmp_path / "t0.json").write_text(json.dumps(record))
+    got = wire.read_record(tmp_path, "t0")["value"]
+    for tensor, expected in zip(got, values.values()):
+        assert (
+            tensor.dtype == expected.dtype
+            and tensor.shape == expected.shape
+            and torch.equal(tensor, expected)
+        )
+
+    # a pickled object array is never unpickled
+    np.save(tmp_path / "evil.npy", np.array([object()], dtype=object), allow_pickle=True)
+    for entry in ({"$tensor": "evil.npy", "dtype": "float32"}, {"$tensor": "../t0.json", "dtype": "float32"}):
+        (tmp_path / "t1.json").write_text(json.dumps({"value": entry}))
+        with pytest.raises(wire.WireError):
+            wire.read_record(tmp_path, "t1")
+    with pytest.raises(wire.WireError):
+        wire.read_record(tmp_path, "t9")  # missing
+
+
+# --- whole batches -----------------------------------------------------------------------------
+REALISTIC = {  # on SUBSET: tree_broadcast[3], ring_allgather[3], allreduce[3-ring], allreduce[3-butterfly]
+    "alice": ("ok", 4),
+    "bob": ("ok", 3),  # no butterfly (the budget tests are not in SUBSET)
+    "carol": ("ok", 0),
+    "dave": ("ok", 3),  # the ring allreduce deadlocks
+    "erin": ("import_error", 0),
+    "frank": ("ok", 4),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="the fork bomb and memory hog are only safe under the root sandbox"
+)
+def test_a_batch_of_real_and_hostile_submissions(examples, tmp_path):
+    out = tmp_path / "out"
+    output = grade(examples, out, "--jobs", "2", "--test-timeout", "4", "--timeout", "120", "--seed-key", "k")
+    book = gradebook(out)
+    expected = {**REALISTIC, **make.BAD}
+    assert set(book) == set(expected)
+    for student, (status, score) in expected.items():
+        row = book[student]
+        assert float(row["score"]) == score, (student, row)
+        assert row["max_score"] == "4", (student, row)
+        if status is not None:
+            assert row["status"] == status, (student, row)
+        if status == "invalid_submission":
+            assert row["reason"], student
+    assert "alice" in output and "invalid_submission" in output  # the summary table
+    assert not sandbox_processes(), "a submission's process outlived its grading"
+
+    # what each student sees: Gradescope's schema, no expected values, no hidden source
+    results = json.loads((out / "carol" / "results.json").read_text())
+    assert set(results) >= {"score", "max_score", "execution_time", "tests", "output", "visibility"}
+    for test in results["tests"]:
+        assert set(test) >= {"name", "score", "max_score", "status", "output", "visibility"}
+        assert test["status"] in ("passed", "failed")
+    feedback = (out / "carol" / "feedback.md").read_text()
+    assert "element" in feedback and ", expected" not in feedback and "def test_" not in feedback
+    dave = (out / "dave" / "feedback.md").read_text()
+    assert "did not finish within 4 s" in dave
+    flood = json.loads((out / "flood" / "results.json").read_text())
+    assert len(flood["output"]) < 10_000 and "the last 1500 characters" in flood["output"]
+    assert "could read" not in (out / "snoop" / "feedback.md").read_text()
+
+    # re-running reuses every finished submission and writes the same gradebook
+    before = (out / "gradebook.csv").read_bytes()
+    output = grade(examples, out, "--jobs", "2", "--test-timeout", "4", "--timeout", "120", "--seed-key", "k")
+    assert f"reusing {len(expected)} finished" in output
+    assert (out / "gradebook.csv").read_bytes() == before
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_regrading_is_deterministic_and_an_interrupted_run_resumes(tmp_path):
+    submissions = tmp_path / "subs"
+    make.write(submissions, {k: v for k, v in make.build_dict().items() if k in ("alice", "carol", "bob")})
+    first, second = tmp_path / "first", tmp_path / "second"
+    grade(submissions, first, "--jobs", "2", "--seed-key", "same")
+    grade(submissions, second, "--jobs", "2", "--seed-key", "same", "--force")
+    assert (first / "gradebook.csv").read_bytes() == (second / "gradebook.csv").read_bytes()
+
+    # "interrupted": carol's results never got written; only carol is graded again
+    (first / "carol" / "results.json").unlink()
+    alice_before = (first / "alice" / "results.json").stat().st_mtime_ns
+    output = grade(submissions, first, "--jobs", "2", "--seed-key", "same")
+    assert "reusing 2 finished" in output
+    assert (first / "alice" / "results.json").stat().st_mtime_ns == alice_before
+    assert (first / "gradebook.csv").read_bytes() == (second / "gradebook.csv").read_bytes()
+    # a changed submission is graded again
+    (submissions / "bob" / "collectives.py").write_text(make.SOLUTION.read_text())
+    grade(submissions, first, "--jobs", "2", "--seed-key", "same")
+    assert gradebook(first)["bob"]["score"] == "4"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_solution_scores_full_marks_and_the_stub_zero(tmp_path):
+    submissions = tmp_path / "subs"
+    (submissions / "solution").mkdir(parents=True)
+    (submissions / "stub").mkdir()
+    (submissions / "solution" / "collectives.py").write_bytes(make.SOLUTION.read_bytes())
+    (submissions / "stub" / "collectives.py").write_bytes(make.STUB.read_bytes())
+    out = tmp_path / "out"
+    grade(submissions, out, "--jobs", "2", tests=None)
+    book = gradebook(out)
+    total = sum(t.points for t in grading.graded_tests(0))
+    assert book["solution"]["score"] == f"{total:g}" == book["solution"]["max_score"], book["solution"]
+    assert book["stub"]["score"] == "0" and book["stub"]["status"] == "ok"
+    stub = json.loads((out / "stub" / "results.json").read_text())
+    assert len(stub["tests"]) == len(grading.graded_tests(0)) >= 50
+    assert all("NotImplementedError" in t["output"] for t in stub["tests"]), [
+        t["output"][:200] for t in stub["tests"] if "NotImplementedError" not in t["output"]
+    ]
+    assert not sandbox_processes()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_gradescope_bundle_grades_a_submission(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "grader", "gradescope", "a1_collectives", "--out", str(tmp_path)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    bundle = tmp_path / "a1_collectives-autograder.zip"
+    source = tmp_path / "source"
+    with zipfile.ZipFile(bundle) as archive:
+        names = archive.namelist()
+        archive.extractall(source)
+    assert {
+        "setup.sh",
+        "run_autograder",
+        "grader/a1_collectives/test_hidden.py",
+        "lib/minidist/launch.py",
+    } <= set(names)
+    assert not any(name.startswith(("solutions/", "assignments/", "tests/")) for name in names)
+    solution_line = "exchange(comm, chunk((rank - step) % p), right, chunk((rank - step - 1) % p), left)"
+    assert solution_line in make.SOLUTION.read_text()
+    assert not any(
+        solution_line in (source / n).read_text(errors="replace") for n in names if not n.endswith("/")
+    )
+    assert "python -m grader grade a1_collectives" in (source / "run_autograder").read_text()
+    # what run_autograder does, from the unpacked bundle
+    submissions = tmp_path / "submissions" / "submission"
+    submissions.mkdir(parents=True)
+    (submissions / "collectives.py").write_bytes(make.SOLUTION.read_bytes())
+    command = [sys.executable, "-m", "grader", "grade", "a1_collectives", str(submissions.parent)]
+    command += ["--out", str(tmp_path / "out"), "--tests", "test_ring_allgather[[]3]"]
+    result = subprocess.run(command, cwd=source, capture_output=True, text=True, timeout=200)
+    assert result.returncode == 0, result.stderr[-2000:]
+    results = json.loads((tmp_path / "out" / "submission" / "results.json").read_text())
+    assert results["score"] == results["max_score"] == 1

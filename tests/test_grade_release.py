@@ -1,0 +1,54 @@
+"""``python -m grader release --repo DIR``: the student repository holds no solution and still works."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SOLUTION_LINE = "exchange(comm, chunk((rank - step) % p), right, chunk((rank - step - 1) % p), left)"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_student_repository_has_no_solution_and_its_public_tests_fail_cleanly(tmp_path):
+    repo = tmp_path / "student"
+    subprocess.run(
+        [sys.executable, "-m", "grader", "release", "--repo", str(repo)],
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    files = [p for p in repo.rglob("*") if p.is_file()]
+    names = {p.relative_to(repo).as_posix() for p in files}
+    assert {"README.md", "Makefile", "pyproject.toml", "lib/minidist/launch.py"} <= names
+    assert "assignments/a1_collectives/collectives.py" in names
+    assert not any(n.startswith(("solutions/", "grader/")) or "test_hidden" in n for n in names)
+    assert SOLUTION_LINE in (ROOT / "solutions/a1_collectives/collectives.py").read_text()
+    for path in files:
+        text = path.read_text(errors="replace")
+        assert "BEGIN SOLUTION" not in text and "END SOLUTION" not in text, path
+        assert SOLUTION_LINE not in text, path
+    # the Makefile still parses and no longer needs the grader
+    dry_run = subprocess.run(["make", "-n", "test"], cwd=repo, capture_output=True, text=True, timeout=60)
+    assert dry_run.returncode == 0 and "grader" not in dry_run.stdout, dry_run.stdout + dry_run.stderr
+    # the public tests run against the released library and fail with NotImplementedError
+    folder = repo / "assignments" / "a1_collectives"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(folder), str(repo / "lib")])}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "test_a1_collectives.py"],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert result.returncode == 1, result.stdout[-3000:]
+    assert "NotImplementedError" in result.stdout and "ImportError" not in result.stdout, result.stdout[
+        -3000:
+    ]
