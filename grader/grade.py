@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from . import intake, report, sandbox
 from .plan import GradedTest, TestResult
-from .wire import WireError, read_record
+from .wire import WireError, read_probe, read_record
 
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS = Path(__file__).resolve().parent / "harness.py"
@@ -137,7 +137,8 @@ class Grader:
                 shutil.copyfile(ROOT / "grader" / self.name / name, workdir / name)
             shutil.copyfile(HARNESS, workdir / "harness.py")
             jobs = [t.job.as_json(f"t{index:03d}", self.args.test_timeout) for index, t in enumerate(tests)]
-            (workdir / "spec.json").write_text(json.dumps({"jobs": jobs}))
+            probe = [Path(name).stem for name in self.module.STUDENT_FILES]
+            (workdir / "spec.json").write_text(json.dumps({"jobs": jobs, "probe": probe}))
             (workdir / "results").mkdir()
             inside = Path(sandbox.work_mount(workdir)) if self.isolated else workdir
             if uid is not None:
@@ -160,12 +161,24 @@ class Grader:
             if results_dir.is_symlink() or not results_dir.is_dir():  # replaced by the student's code
                 results_dir = workdir / "no-results-here"
             checked = [self._check(test, results_dir, f"t{index:03d}") for index, test in enumerate(tests)]
+            probe = read_probe(results_dir)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         results = [result for result, _ in checked]
         status, reason = run.status, ""
         import_errors = [error for _, error in checked if error is not None]
-        if status == "ok" and results and len(import_errors) == len(results):
+        if status == "ok" and probe is not None:
+            status = "import_error"
+            code = probe["returncode"]
+            how = "did not finish" if code is None else f"exited with code {code}"
+            last = probe["stderr"].strip().splitlines()[-1:] or [""]
+            hint = (
+                " (sys.exit() or os._exit() at import time?)"
+                if code is not None and code >= 0 and not last[0]
+                else ""
+            )
+            reason = f"importing {probe['module']}.py {how}{hint}: {last[0][:300]}".rstrip(": ")
+        elif status == "ok" and results and len(import_errors) == len(results):
             status = "import_error"
             reason = f"importing {', '.join(self.module.STUDENT_FILES)} failed: {import_errors[0][:300]}"
         elif run.status == "timeout":

@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import subprocess
 import sys
 import time
 import traceback
@@ -85,9 +86,31 @@ def run_job(job: dict, folder: str) -> dict:
     return {"value": Encoder(folder, job["id"]).encode(outs)}
 
 
+def probe_imports(modules: list[str], folder: str) -> bool:
+    """Import each student module in a throwaway child first: code that calls
+    sys.exit/os._exit or crashes at import time then gets a clear status (and the
+    jobs, which would all fail the same way, are not run)."""
+    for name in modules:
+        code = "import importlib, sys; importlib.import_module(sys.argv[1]); print('probe: imported')"
+        try:
+            child = subprocess.run(
+                [sys.executable, "-s", "-c", code, name], capture_output=True, text=True, timeout=120
+            )
+            returncode, stderr, finished = child.returncode, child.stderr, "probe: imported" in child.stdout
+        except subprocess.TimeoutExpired:
+            returncode, stderr, finished = None, "importing it did not finish within 120 s", False
+        if returncode != 0 or not finished:  # os._exit(0) at import: code 0, never finished
+            with open(os.path.join(folder, "probe.json"), "w") as file:
+                json.dump({"module": name, "returncode": returncode, "stderr": stderr[-MAX_TEXT:]}, file)
+            return False
+    return True
+
+
 def main(spec_path: str, folder: str) -> int:
     with open(spec_path) as file:
         spec = json.load(file)
+    if not probe_imports(spec.get("probe", []), folder):
+        return 0
     for job in spec["jobs"]:
         start = time.monotonic()
         record = run_job(job, folder)

@@ -112,6 +112,7 @@ def enter(workdir: str, limits: Limits, isolation: Isolation) -> None:
         if _libc.unshare(CLONE_NEWNS) != 0:
             raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
         _mount(None, "/", None, MS_REC | MS_PRIVATE)
+        kept = _hold(_needed_under_tmp())  # the venv and minidist, when the repo is under /tmp
         # A fresh tmpfs replaces /var/tmp (or /tmp), and the working directory is bound into
         # it *before* anything is hidden: the output folder that holds it may be hidden next.
         work = work_mount(workdir)
@@ -127,6 +128,9 @@ def enter(workdir: str, limits: Limits, isolation: Isolation) -> None:
             if path != stage and os.path.isdir(path):
                 _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=256m,mode=1777")
         _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={limits.shm_bytes},mode=1777")
+        for holder, path in kept:  # put them back where the interpreter expects them
+            os.makedirs(path, 0o755, exist_ok=True)
+            _mount(holder, path, None, MS_BIND | MS_REC)
         os.chdir(work)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds))
@@ -141,6 +145,34 @@ def enter(workdir: str, limits: Limits, isolation: Isolation) -> None:
             raise OSError("could not drop root privileges")
     PR_SET_PDEATHSIG = 1  # after setuid, which clears it: die with the grader's thread
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _needed_under_tmp() -> list[str]:
+    """The virtual environment and the folder minidist is imported from, if they lie
+    under /tmp or /var/tmp (a clone there, as CI may make): those are replaced by fresh
+    tmpfs in the sandbox, so they are held aside and bound back afterwards."""
+    import minidist
+
+    needed = {
+        os.path.realpath(sys.prefix),
+        os.path.dirname(os.path.dirname(os.path.realpath(minidist.__file__))),
+    }
+    return sorted(p for p in needed if p.startswith(("/tmp/", "/var/tmp/")))
+
+
+def _hold(paths: list[str]) -> list[tuple[str, str]]:
+    """Bind each path to a holder under a private tmpfs on /mnt, before /tmp is covered."""
+    if not paths:
+        return []
+    os.makedirs("/mnt", exist_ok=True)
+    _mount("tmpfs", "/mnt", "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
+    held = []
+    for index, path in enumerate(paths):
+        holder = f"/mnt/keep{index}"
+        os.mkdir(holder, 0o755)
+        _mount(path, holder, None, MS_BIND | MS_REC)
+        held.append((holder, path))
+    return held
 
 
 def _expose(path: str, stage: str) -> None:

@@ -57,6 +57,25 @@ def read_record(folder: Path, job_id: str) -> dict:
     return {"value": _decode(record["value"], folder, depth=0), "seconds": _number(record.get("seconds"))}
 
 
+def read_probe(folder: Path) -> dict | None:
+    """The harness's note that importing a student module failed (None: it did not)."""
+    path = folder / "probe.json"
+    if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_JSON_BYTES:
+        return None
+    try:
+        probe = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(probe, dict):
+        return None
+    code = probe.get("returncode")
+    return {
+        "module": str(probe.get("module", ""))[:100],
+        "returncode": code if isinstance(code, int) and not isinstance(code, bool) else None,
+        "stderr": str(probe.get("stderr", ""))[-2000:],
+    }
+
+
 def _number(value) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
 
