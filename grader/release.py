@@ -364,9 +364,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="do not write; exit 1 and list the stale files if the output differs from a fresh release",
     )
     parser.add_argument("--root", type=Path, default=ROOT, help="course repository (default: this one)")
-    parser.add_argument("--out", type=Path, default=None, help="where to write (default: ROOT/assignments)")
     parser.add_argument(
+        "--assignments-dir",
+        dest="out",
+        type=Path,
+        default=None,
+        help="where the generated assignments go (default: ROOT/assignments)",
+    )
+    parser.add_argument(
+        "--out",
         "--repo",
+        dest="repo",
         type=Path,
         default=None,
         metavar="DIR",

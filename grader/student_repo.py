@@ -1,4 +1,4 @@
-"""``python -m grader release --repo DIR``: the repository students receive.
+"""``python -m grader release --out DIR``: the repository students receive.
 
 Everything git tracks, except what students must not see or cannot use:
 
