@@ -183,12 +183,16 @@ def test_bytes_sent_match_the_formulas(algorithm, world_size):
     assert received == sum(sent)
 
 
+@pytest.mark.parametrize("same_numel", [False, True])
 @pytest.mark.parametrize(
     "transport, algorithm", [(t, a) for t in ["shm", "pipe"] for a in ALGORITHMS] + [("shm", "shm")]
 )
-def test_mismatched_tensors_are_a_clear_error(transport, algorithm):
+def test_mismatched_tensors_are_a_clear_error(transport, algorithm, same_numel):
+    """Different sizes, and also a (2, 3) against a (3, 2) tensor: same numel, other shape."""
     with pytest.raises(md.WorkerError) as info:
-        md.launch(workers.mismatched_allreduce, 2, args=(algorithm, False), transport=transport, timeout=30)
+        md.launch(
+            workers.mismatched_allreduce, 2, args=(algorithm, same_numel), transport=transport, timeout=30
+        )
     assert info.value.exc_type == "MessageMismatch"
     assert "rank" in str(info.value) and "same" in str(info.value)
 

@@ -147,3 +147,13 @@ def test_shm_fast_path_and_generic_path_agree_in_process():
     assert a.stats.messages_sent == 5 and b.stats.bytes_received == 4 * (1 + 1000 + 1024 + 1025)
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_tags_must_match(transport):
+    assert torch.equal(
+        md.launch(workers.tagged, 2, args=(7,), transport=transport, timeout=30)[1], torch.arange(4.0)
+    )
+    with pytest.raises(md.WorkerError) as info:
+        md.launch(workers.tagged, 2, args=(8,), transport=transport, timeout=30)
+    assert info.value.exc_type == "MessageMismatch" and "tags differ" in str(info.value)

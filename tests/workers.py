@@ -342,3 +342,14 @@ def allreduce_repeatedly(comm, sizes, algorithm):
         md.allreduce(comm, t, algorithm=algorithm)
         results.append(float(t[0]) if n else None)
     return results
+
+
+def tagged(comm, recv_tag: int):
+    """Rank 0 sends with tag 7; rank 1 receives with ``recv_tag``."""
+    t = torch.arange(4.0)
+    if comm.rank == 0:
+        comm.send(t, 1, tag=7)
+        return None
+    buf = torch.zeros(4)
+    comm.recv(buf, 0, tag=recv_tag)
+    return buf

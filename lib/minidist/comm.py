@@ -42,7 +42,7 @@ from .errors import MessageMismatch
 
 # --- the wire header ---------------------------------------------------------
 HEADER_INTS = 20  # int64 values per header
-MAX_NDIM = HEADER_INTS - 4
+MAX_NDIM = HEADER_INTS - 5  # header: kind, dtype, nbytes, ndim, tag, shape...
 KIND_DATA = 1
 KIND_BARRIER = 2
 _KIND_NAMES = {KIND_DATA: "a tensor", KIND_BARRIER: "a barrier message"}
@@ -65,10 +65,11 @@ DTYPES: tuple[torch.dtype, ...] = (
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(DTYPES)}
 
 
-def encode_header(kind: int, tensor: torch.Tensor | None) -> np.ndarray:
-    """Pack (kind, dtype, nbytes, shape) into ``HEADER_INTS`` int64 values."""
+def encode_header(kind: int, tensor: torch.Tensor | None, tag: int = 0) -> np.ndarray:
+    """Pack (kind, dtype, nbytes, ndim, tag, shape) into ``HEADER_INTS`` int64 values."""
     header = np.zeros(HEADER_INTS, dtype=np.int64)
     header[0] = kind
+    header[4] = tag
     if tensor is not None:
         if tensor.dtype not in _DTYPE_CODE:
             raise TypeError(f"minidist cannot send tensors of dtype {tensor.dtype}")
@@ -80,7 +81,7 @@ def encode_header(kind: int, tensor: torch.Tensor | None) -> np.ndarray:
         header[1] = _DTYPE_CODE[tensor.dtype]
         header[2] = tensor.numel() * tensor.element_size()
         header[3] = tensor.dim()
-        header[4 : 4 + tensor.dim()] = tensor.shape
+        header[5 : 5 + tensor.dim()] = tensor.shape
     return header
 
 
@@ -89,8 +90,9 @@ def describe_header(header: np.ndarray) -> str:
     if kind != KIND_DATA:
         return _KIND_NAMES.get(kind, f"an unknown message (kind {kind})")
     dtype = DTYPES[int(header[1])]
-    shape = tuple(int(s) for s in header[4 : 4 + int(header[3])])
-    return f"a {str(dtype).removeprefix('torch.')} tensor of shape {shape} ({int(header[2])} bytes)"
+    shape = tuple(int(s) for s in header[5 : 5 + int(header[3])])
+    tag = f", tag {int(header[4])}" if header[4] else ""
+    return f"a {str(dtype).removeprefix('torch.')} tensor of shape {shape} ({int(header[2])} bytes{tag})"
 
 
 def _describe_tensor(t: torch.Tensor) -> str:
@@ -291,34 +293,34 @@ class Communicator:
         return as_bytes(t.contiguous())
 
     # --- blocking operations -------------------------------------------------
-    def send(self, tensor: torch.Tensor, dst: int) -> None:
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Send ``tensor`` to rank ``dst``; returns when ``tensor`` may be modified."""
         self._check_tensor(tensor, "send")
         self._check_peer(dst, "send to")
-        self._post(dst, self._send_queues, lambda: self._do_send(KIND_DATA, tensor, dst), None)
+        self._post(dst, self._send_queues, lambda: self._do_send(KIND_DATA, tensor, dst, tag), None)
 
-    def recv(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
         """Receive into ``tensor`` (same shape and dtype as the sender's) from ``src``."""
         self._check_tensor(tensor, "recv")
         self._check_peer(src, "receive from")
-        self._post(src, self._recv_queues, lambda: self._do_recv(KIND_DATA, tensor, src), None)
+        self._post(src, self._recv_queues, lambda: self._do_recv(KIND_DATA, tensor, src, tag), None)
         return tensor
 
     # --- non-blocking operations ---------------------------------------------
-    def isend(self, tensor: torch.Tensor, dst: int) -> Work:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
         """Start sending; do not modify ``tensor`` before ``wait()`` returns."""
         self._check_tensor(tensor, "isend")
         self._check_peer(dst, "send to")
         work = Work(f"rank {self.rank}: isend to rank {dst}", tensor)
-        self._post(dst, self._send_queues, lambda: self._do_send(KIND_DATA, tensor, dst), work)
+        self._post(dst, self._send_queues, lambda: self._do_send(KIND_DATA, tensor, dst, tag), work)
         return work
 
-    def irecv(self, tensor: torch.Tensor, src: int) -> Work:
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
         """Start receiving into ``tensor``; read it only after ``wait()`` returns."""
         self._check_tensor(tensor, "irecv")
         self._check_peer(src, "receive from")
         work = Work(f"rank {self.rank}: irecv from rank {src}", tensor)
-        self._post(src, self._recv_queues, lambda: self._do_recv(KIND_DATA, tensor, src), work)
+        self._post(src, self._recv_queues, lambda: self._do_recv(KIND_DATA, tensor, src, tag), work)
         return work
 
     def _post(self, peer: int, queues: dict[int, _PeerQueue], func, work: Work | None) -> None:
@@ -349,22 +351,25 @@ class Communicator:
         peer_queue.jobs.put((func, work))
 
     # --- the protocol on top of the subclass' three methods ------------------
-    def _do_send(self, kind: int, tensor: torch.Tensor | None, dst: int) -> None:
-        header = encode_header(kind, tensor)
+    def _do_send(self, kind: int, tensor: torch.Tensor | None, dst: int, tag: int = 0) -> None:
+        header = encode_header(kind, tensor, tag)
         payload = torch.empty(0, dtype=torch.uint8) if tensor is None else self._payload_of(tensor)
         self._send_message(header, payload, dst)
         self._count(True, payload.numel())
 
-    def _do_recv(self, kind: int, tensor: torch.Tensor | None, src: int) -> None:
+    def _do_recv(self, kind: int, tensor: torch.Tensor | None, src: int, tag: int = 0) -> None:
         header = self._recv_header(src)
-        expected = encode_header(kind, tensor)
+        expected = encode_header(kind, tensor, tag)
         if not np.array_equal(header, expected):
             want = "a barrier message" if tensor is None else _describe_tensor(tensor)
-            hint = (
-                "tensors differ in shape or dtype across ranks"
-                if header[0] == expected[0]
-                else "the ranks called different operations (e.g. one is in barrier())"
-            )
+            if tag:
+                want += f" with tag {tag}"
+            if header[0] != expected[0]:
+                hint = "the ranks called different operations (e.g. one is in barrier())"
+            elif np.array_equal(header[:4], expected[:4]) and header[4] != expected[4]:
+                hint = "the tags differ: the ranks are in different operations, or disagree on them"
+            else:
+                hint = "tensors differ in shape or dtype across ranks"
             raise MessageMismatch(
                 f"rank {self.rank} received {describe_header(header)} from rank {src}, "
                 f"but expected {want}: {hint}"

@@ -5,13 +5,14 @@ numel (0 and fewer elements than ranks included) and any layout (a
 non-contiguous tensor is handled through a contiguous copy). They are written
 only against ``comm.send/recv/isend/irecv``, so they run on every transport.
 
-Ranks must pass tensors with the same number of elements and dtype; a
-mismatch raises ``MessageMismatch`` naming the ranks. (Only the ``shm``
-allreduce also compares shapes: the others treat a tensor as its flat vector
-of elements, as a (2, 3) and a (3, 2) tensor have the same six elements.)
+Ranks must pass tensors of the same shape and dtype (and the same op and
+root): every message of a collective carries a tag that checksums them, so a
+disagreement raises ``MessageMismatch`` naming the ranks, at the first message.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import torch
 
@@ -25,6 +26,15 @@ from .shm_allreduce import shm_allreduce_, small_allreduce
 
 ALLREDUCE_ALGORITHMS = ("auto", "star", "tree", "ring", "butterfly", "shm")
 ROOTED_ALGORITHMS = ("auto", "star", "tree")
+
+
+def signature_tag(name: str, tensor: torch.Tensor, *extra) -> int:
+    """A tag that every message of this collective carries: a checksum of the operation,
+    the tensor's full shape and dtype (and op, root). Ranks that disagree on any of them
+    get a ``MessageMismatch`` at their first message instead of a silently wrong result --
+    even for a (2, 3) against a (3, 2) tensor, whose flat vectors have the same length."""
+    text = f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|{'|'.join(map(str, extra))}"
+    return zlib.crc32(text.encode()) + 1  # never 0, the tag of plain send/recv
 
 
 def _check(comm, tensor, name: str) -> None:
@@ -41,8 +51,8 @@ def _check_root(comm, root: int, what: str) -> None:
 
 def _explained(name: str, error: MessageMismatch) -> MessageMismatch:
     return MessageMismatch(
-        f"{name}: the ranks passed tensors that do not match ({error}). Every rank must pass a "
-        "tensor with the same number of elements and the same dtype."
+        f"{name}: the ranks do not agree ({error}). Every rank must pass a tensor of the same "
+        "shape and dtype, with the same op, root and algorithm."
     )
 
 
@@ -59,7 +69,8 @@ def broadcast(comm, tensor: torch.Tensor, src: int = 0, algorithm: str = "auto")
         return tensor
     flat = Flat(tensor)
     try:
-        (star_broadcast if algorithm == "star" else tree_broadcast)(comm, flat.flat, src)
+        tag = signature_tag("broadcast", tensor, src)
+        (star_broadcast if algorithm == "star" else tree_broadcast)(comm, flat.flat, src, tag)
     except MessageMismatch as error:
         raise _explained("broadcast", error) from error
     return flat.commit()
@@ -79,7 +90,8 @@ def reduce(
         return tensor
     flat = Flat(tensor)
     try:
-        (star_reduce if algorithm == "star" else tree_reduce)(comm, flat.flat, dst, op)
+        tag = signature_tag("reduce", tensor, dst, op)
+        (star_reduce if algorithm == "star" else tree_reduce)(comm, flat.flat, dst, op, tag)
     except MessageMismatch as error:
         raise _explained("reduce", error) from error
     if comm.rank == dst:
@@ -133,25 +145,26 @@ def allreduce(comm, tensor: torch.Tensor, op: str = "sum", algorithm: str = "aut
     work = tensor.cpu() if staged else tensor
     flat = Flat(work)
     vector = flat.flat
+    tag = signature_tag("allreduce", tensor, op, algorithm)
     try:
         if algorithm == "star":
-            star_reduce(comm, vector, 0, op)
+            star_reduce(comm, vector, 0, op, tag)
             if comm.rank == 0:
                 finish_(vector, op, p)
-            star_broadcast(comm, vector, 0)
+            star_broadcast(comm, vector, 0, tag)
         elif algorithm == "tree":
-            tree_reduce(comm, vector, 0, op)
+            tree_reduce(comm, vector, 0, op, tag)
             if comm.rank == 0:
                 finish_(vector, op, p)
-            tree_broadcast(comm, vector, 0)
+            tree_broadcast(comm, vector, 0, tag)
         elif algorithm == "ring":
             bounds = chunk_bounds(vector.numel(), p)
-            ring_reduce_scatter_(comm, vector, bounds, op)
+            ring_reduce_scatter_(comm, vector, bounds, op, tag)
             lo, hi = bounds[comm.rank]
             finish_(vector[lo:hi], op, p)
-            ring_allgather_(comm, vector, bounds)
+            ring_allgather_(comm, vector, bounds, tag)
         elif algorithm == "butterfly":
-            butterfly_allreduce_(comm, vector, op)
+            butterfly_allreduce_(comm, vector, op, tag)
             finish_(vector, op, p)
         else:
             shm_allreduce_(comm, work, vector, op)
@@ -185,7 +198,8 @@ def allgather(comm, tensor: torch.Tensor, algorithm: str = "auto") -> torch.Tens
     out[comm.rank].copy_(tensor)
     n = tensor.numel()
     try:
-        ring_allgather_(comm, out.view(-1), [(r * n, (r + 1) * n) for r in range(p)])
+        tag = signature_tag("allgather", tensor)
+        ring_allgather_(comm, out.view(-1), [(r * n, (r + 1) * n) for r in range(p)], tag)
     except MessageMismatch as error:
         raise _explained("allgather", error) from error
     return out
@@ -213,7 +227,7 @@ def reduce_scatter(comm, tensor: torch.Tensor, op: str = "sum", algorithm: str =
     block = work.numel() // p
     bounds = [(r * block, (r + 1) * block) for r in range(p)]
     try:
-        ring_reduce_scatter_(comm, work, bounds, op)
+        ring_reduce_scatter_(comm, work, bounds, op, signature_tag("reduce_scatter", tensor, op))
     except MessageMismatch as error:
         raise _explained("reduce_scatter", error) from error
     lo, hi = bounds[comm.rank]

@@ -30,7 +30,7 @@ import torch
 from .ops import combine_
 
 
-def butterfly_allreduce_(comm, flat: torch.Tensor, op: str) -> None:
+def butterfly_allreduce_(comm, flat: torch.Tensor, op: str, tag: int = 0) -> None:
     p, rank = comm.world_size, comm.rank
     q = 1 << (p.bit_length() - 1)  # largest power of two <= p
     extra = p - q
@@ -38,11 +38,11 @@ def butterfly_allreduce_(comm, flat: torch.Tensor, op: str) -> None:
     # fold the extra ranks in: even ranks below 2*extra hand their vector to rank + 1
     if rank < 2 * extra:
         if rank % 2 == 0:
-            comm.send(flat, rank + 1)
-            comm.recv(flat, rank + 1)  # the final result, at the very end
+            comm.send(flat, rank + 1, tag)
+            comm.recv(flat, rank + 1, tag)  # the final result, at the very end
             return
         incoming = torch.empty_like(flat)
-        comm.recv(incoming, rank - 1)
+        comm.recv(incoming, rank - 1, tag)
         combine_(flat, incoming, op)
         vrank = rank // 2
     else:
@@ -63,9 +63,9 @@ def butterfly_allreduce_(comm, flat: torch.Tensor, op: str) -> None:
             keep, give = (mid, hi), (lo, mid)
         else:
             keep, give = (lo, mid), (mid, hi)
-        work = comm.isend(flat[give[0] : give[1]], partner)
+        work = comm.isend(flat[give[0] : give[1]], partner, tag)
         buffer = incoming[: keep[1] - keep[0]]
-        comm.recv(buffer, partner)
+        comm.recv(buffer, partner, tag)
         combine_(flat[keep[0] : keep[1]], buffer, op)
         work.wait()
         history.append((partner, keep, give))
@@ -74,9 +74,9 @@ def butterfly_allreduce_(comm, flat: torch.Tensor, op: str) -> None:
 
     # recursive doubling: allgather, the same pairs in reverse order
     for partner, keep, give in reversed(history):
-        work = comm.isend(flat[keep[0] : keep[1]], partner)
-        comm.recv(flat[give[0] : give[1]], partner)
+        work = comm.isend(flat[keep[0] : keep[1]], partner, tag)
+        comm.recv(flat[give[0] : give[1]], partner, tag)
         work.wait()
 
     if rank < 2 * extra:  # odd folded rank: give the result back to its even neighbour
-        comm.send(flat, rank - 1)
+        comm.send(flat, rank - 1, tag)

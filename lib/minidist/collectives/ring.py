@@ -29,7 +29,7 @@ import torch
 from .ops import combine_
 
 
-def ring_reduce_scatter_(comm, flat: torch.Tensor, bounds, op: str) -> None:
+def ring_reduce_scatter_(comm, flat: torch.Tensor, bounds, op: str, tag: int = 0) -> None:
     """In place on ``flat``: afterwards chunk ``rank`` (per ``bounds``) is reduced over all ranks."""
     p, r = comm.world_size, comm.rank
     right, left = (r + 1) % p, (r - 1) % p
@@ -38,20 +38,20 @@ def ring_reduce_scatter_(comm, flat: torch.Tensor, bounds, op: str) -> None:
     for step in range(p - 1):
         send_lo, send_hi = bounds[(r - step - 1) % p]
         recv_lo, recv_hi = bounds[(r - step - 2) % p]
-        work = comm.isend(flat[send_lo:send_hi], right)
+        work = comm.isend(flat[send_lo:send_hi], right, tag)
         buffer = incoming[: recv_hi - recv_lo]
-        comm.recv(buffer, left)
+        comm.recv(buffer, left, tag)
         combine_(flat[recv_lo:recv_hi], buffer, op)
         work.wait()
 
 
-def ring_allgather_(comm, flat: torch.Tensor, bounds) -> None:
+def ring_allgather_(comm, flat: torch.Tensor, bounds, tag: int = 0) -> None:
     """In place on ``flat``: rank r starts with chunk r, ends with every chunk."""
     p, r = comm.world_size, comm.rank
     right, left = (r + 1) % p, (r - 1) % p
     for step in range(p - 1):
         send_lo, send_hi = bounds[(r - step) % p]
         recv_lo, recv_hi = bounds[(r - step - 1) % p]
-        work = comm.isend(flat[send_lo:send_hi], right)
-        comm.recv(flat[recv_lo:recv_hi], left)
+        work = comm.isend(flat[send_lo:send_hi], right, tag)
+        comm.recv(flat[recv_lo:recv_hi], left, tag)
         work.wait()

@@ -28,48 +28,48 @@ import torch
 from .ops import combine_
 
 
-def star_broadcast(comm, flat: torch.Tensor, root: int) -> None:
+def star_broadcast(comm, flat: torch.Tensor, root: int, tag: int = 0) -> None:
     if comm.rank == root:
-        works = [comm.isend(flat, peer) for peer in range(comm.world_size) if peer != root]
+        works = [comm.isend(flat, peer, tag) for peer in range(comm.world_size) if peer != root]
         for work in works:
             work.wait()
     else:
-        comm.recv(flat, root)
+        comm.recv(flat, root, tag)
 
 
-def tree_broadcast(comm, flat: torch.Tensor, root: int) -> None:
+def tree_broadcast(comm, flat: torch.Tensor, root: int, tag: int = 0) -> None:
     p = comm.world_size
     vrank = (comm.rank - root) % p
     mask = 1
     while mask < p:  # find my parent: the rank that differs in my lowest set bit
         if vrank & mask:
-            comm.recv(flat, (vrank - mask + root) % p)
+            comm.recv(flat, (vrank - mask + root) % p, tag)
             break
         mask <<= 1
     mask >>= 1
     works = []
     while mask > 0:  # pass it on to my children, the farthest first
         if vrank + mask < p:
-            works.append(comm.isend(flat, (vrank + mask + root) % p))
+            works.append(comm.isend(flat, (vrank + mask + root) % p, tag))
         mask >>= 1
     for work in works:
         work.wait()
 
 
-def star_reduce(comm, flat: torch.Tensor, root: int, op: str) -> torch.Tensor:
+def star_reduce(comm, flat: torch.Tensor, root: int, op: str, tag: int = 0) -> torch.Tensor:
     """Returns the reduced vector on the root (``flat`` itself); others' ``flat`` is untouched."""
     if comm.rank != root:
-        comm.send(flat, root)
+        comm.send(flat, root, tag)
         return flat
     incoming = torch.empty_like(flat)
     for peer in range(comm.world_size):  # in rank order: every run combines in the same order
         if peer != root:
-            comm.recv(incoming, peer)
+            comm.recv(incoming, peer, tag)
             combine_(flat, incoming, op)
     return flat
 
 
-def tree_reduce(comm, flat: torch.Tensor, root: int, op: str) -> torch.Tensor:
+def tree_reduce(comm, flat: torch.Tensor, root: int, op: str, tag: int = 0) -> torch.Tensor:
     """Binomial-tree reduce; returns the result on the root. Non-roots send a partial sum."""
     p = comm.world_size
     vrank = (comm.rank - root) % p
@@ -78,12 +78,12 @@ def tree_reduce(comm, flat: torch.Tensor, root: int, op: str) -> torch.Tensor:
     mask = 1
     while mask < p:
         if vrank & mask:
-            comm.send(acc, (vrank - mask + root) % p)
+            comm.send(acc, (vrank - mask + root) % p, tag)
             break
         if vrank + mask < p:
             if incoming is None:
                 incoming = torch.empty_like(flat)
-            comm.recv(incoming, (vrank + mask + root) % p)
+            comm.recv(incoming, (vrank + mask + root) % p, tag)
             combine_(acc, incoming, op)
         mask <<= 1
     return acc

@@ -79,7 +79,7 @@ class PipeComm(Communicator):
         self._inline = {}  # src -> payload bytes that arrived with the header
         self._capacity: dict[int, int] = {}
 
-    def isend(self, tensor, dst):
+    def isend(self, tensor, dst, tag=0):
         """Eager when the pipe has room for the whole small message: the write cannot
         block then, so it is done right here instead of in a background thread."""
         conn = self._writers.get(dst) if type(dst) is int else None
@@ -92,9 +92,9 @@ class PipeComm(Communicator):
             and (dst not in self._send_queues or self._send_queues[dst].pending == 0)
             and self._room(conn) >= HEADER_BYTES + tensor.nbytes + 16
         ):
-            self.send(tensor, dst)
+            self.send(tensor, dst, tag)
             return CompletedWork(tensor)
-        return super().isend(tensor, dst)
+        return super().isend(tensor, dst, tag)
 
     def _room(self, conn) -> int:
         """Free bytes in the pipe's buffer (Linux: capacity minus unread bytes), else 0."""

@@ -132,17 +132,17 @@ class ShmComm(Communicator):
     # Every nanosecond of Python counts at 1 KiB, so send/recv skip the generic
     # machinery of Communicator (which they fall back to for anything unusual:
     # bad peers, queued async operations, mismatches, big or non-contiguous tensors).
-    def _slot_header(self, tensor: torch.Tensor) -> tuple[bytes, int]:
+    def _slot_header(self, tensor: torch.Tensor, tag: int = 0) -> tuple[bytes, int]:
         """(slot header as send writes it, its 64-bit digest as recv compares it).
 
         The digest (blake2b of the 20-integer header) lets recv check shape and
         dtype with one integer comparison; any mismatch falls back to the
         generic path, which compares the full header and explains the error.
         """
-        key = (tensor.dtype, tensor.shape)
+        key = (tensor.dtype, tensor.shape, tag)
         cached = self._header_cache.get(key)
         if cached is None:
-            header = encode_header(KIND_DATA, tensor)
+            header = encode_header(KIND_DATA, tensor, tag)
             digest = header_digest(header)
             ints = np.array([*header, header[2], digest], dtype=np.int64)
             cached = (ints.tobytes(), digest)
@@ -150,7 +150,7 @@ class ShmComm(Communicator):
                 self._header_cache[key] = cached
         return cached
 
-    def send(self, tensor, dst):
+    def send(self, tensor, dst, tag=0):
         box = self._out.get(dst) if type(dst) is int else None
         if box is not None and type(tensor) is torch.Tensor:
             nbytes = tensor.nbytes
@@ -166,9 +166,10 @@ class ShmComm(Communicator):
                         box.acked, sent - self.slots + 1, dst, "a free slot in the mailbox to"
                     )
                 slot = sent % self.slots
-                header = (self._header_cache.get((tensor.dtype, tensor.shape)) or self._slot_header(tensor))[
-                    0
-                ]
+                header = (
+                    self._header_cache.get((tensor.dtype, tensor.shape, tag))
+                    or self._slot_header(tensor, tag)
+                )[0]
                 if box.last_written[slot] is not header:  # same shape as last time: already there
                     memmove(box.header_addr[slot], header, len(header))
                     box.last_written[slot] = header
@@ -179,9 +180,9 @@ class ShmComm(Communicator):
                 self._fast_stats[0] += nbytes
                 self._fast_stats[1] += 1
                 return
-        super().send(tensor, dst)
+        super().send(tensor, dst, tag)
 
-    def recv(self, tensor, src):
+    def recv(self, tensor, src, tag=0):
         box = self._in.get(src) if type(src) is int else None
         if box is not None and type(tensor) is torch.Tensor:
             nbytes = tensor.nbytes
@@ -195,7 +196,9 @@ class ShmComm(Communicator):
                 if box.sent.value <= acked:
                     self._wait_at_least(box.sent, acked + 1, src, "a message from")
                 slot = acked % self.slots
-                expected = self._header_cache.get((tensor.dtype, tensor.shape)) or self._slot_header(tensor)
+                expected = self._header_cache.get((tensor.dtype, tensor.shape, tag)) or self._slot_header(
+                    tensor, tag
+                )
                 if box.digest[slot].value == expected[1]:
                     if nbytes:
                         memmove(tensor.data_ptr(), box.data_addr[slot], nbytes)
@@ -204,9 +207,9 @@ class ShmComm(Communicator):
                     self._fast_stats[2] += nbytes
                     self._fast_stats[3] += 1
                     return tensor
-        return super().recv(tensor, src)  # also produces the error message on a mismatch
+        return super().recv(tensor, src, tag)  # also produces the error message on a mismatch
 
-    def isend(self, tensor, dst):
+    def isend(self, tensor, dst, tag=0):
         """Eager when possible: a small message and a free slot mean the send cannot block,
         so it is done right here, without handing it to a background thread."""
         box = self._out.get(dst) if type(dst) is int else None
@@ -219,9 +222,9 @@ class ShmComm(Communicator):
             and box.acked.value > box.local - self.slots
             and (not self._send_queues or self._idle(self._send_queues, dst))
         ):
-            self.send(tensor, dst)
+            self.send(tensor, dst, tag)
             return CompletedWork(tensor)
-        return super().isend(tensor, dst)
+        return super().isend(tensor, dst, tag)
 
     @property
     def stats(self):
