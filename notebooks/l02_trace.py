@@ -24,21 +24,21 @@ class TracingComm:
     def _log(self, kind, tensor, peer):
         self.events.append((kind, peer, tensor.nbytes, tensor.storage_offset()))
 
-    def send(self, tensor, dst):
+    def send(self, tensor, dst, tag=0):
         self._log("send", tensor, dst)
-        self.comm.send(tensor, dst)
+        self.comm.send(tensor, dst, tag)
 
-    def isend(self, tensor, dst):
+    def isend(self, tensor, dst, tag=0):
         self._log("send", tensor, dst)
-        return self.comm.isend(tensor, dst)
+        return self.comm.isend(tensor, dst, tag)
 
-    def recv(self, tensor, src):
+    def recv(self, tensor, src, tag=0):
         self._log("recv", tensor, src)
-        return self.comm.recv(tensor, src)
+        return self.comm.recv(tensor, src, tag)
 
-    def irecv(self, tensor, src):
+    def irecv(self, tensor, src, tag=0):
         self._log("recv", tensor, src)
-        return self.comm.irecv(tensor, src)
+        return self.comm.irecv(tensor, src, tag)
 
 
 def trace_allreduce(comm, algorithm, numel):
