@@ -50,19 +50,19 @@ class TracingComm:
         first, last = (flat[0].item(), flat[-1].item()) if flat.numel() else (None, None)
         self.sent.append((int(dst), tensor.numel() * tensor.element_size(), first, last))
 
-    def send(self, tensor, dst):
+    def send(self, tensor, dst, tag=0):
         self._record(tensor, dst)
-        return self._comm.send(tensor, dst)
+        return self._comm.send(tensor, dst, tag)
 
-    def isend(self, tensor, dst):
+    def isend(self, tensor, dst, tag=0):
         self._record(tensor, dst)
-        return self._comm.isend(tensor, dst)
+        return self._comm.isend(tensor, dst, tag)
 
-    def recv(self, tensor, src):
-        return self._comm.recv(tensor, src)
+    def recv(self, tensor, src, tag=0):
+        return self._comm.recv(tensor, src, tag)
 
-    def irecv(self, tensor, src):
-        return self._comm.irecv(tensor, src)
+    def irecv(self, tensor, src, tag=0):
+        return self._comm.irecv(tensor, src, tag)
 
     def __getattr__(self, name):  # stats, barrier, device, ...: those of the real communicator
         return getattr(self._comm, name)
