@@ -1,0 +1,17 @@
+"""The GloVe trainers; each returns a ``TrainResult`` and is tested against ``train_single``."""
+
+from .common import TrainResult
+from .data_parallel import train_data_parallel
+from .hogwild import train_hogwild
+from .model_parallel import train_model_parallel
+from .param_server import train_param_server
+from .single import train_single
+
+__all__ = [
+    "TrainResult",
+    "train_data_parallel",
+    "train_hogwild",
+    "train_model_parallel",
+    "train_param_server",
+    "train_single",
+]

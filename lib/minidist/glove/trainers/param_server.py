@@ -1,0 +1,290 @@
+"""Trainer 4: parameter server -- servers own the table, workers only compute.
+
+Ranks ``0 .. S-1`` are servers, ranks ``S .. S+W-1`` workers. Table row x lives on
+server ``x % S`` with its AdaGrad state. A worker step::
+
+    worker                                  servers (each its rows)
+      rows = rows touched by my batch  ---- pull(rows, at least version v) --->
+                                       <--- rows' values, version v' ----------
+      grads = pair_gradients(values)
+      push(rows, grads, "computed at v'") -----------------------------------> apply
+
+``mode="sync"``: a server applies the pushes of step v together, once a *quorum*
+of workers has pushed, and answers pulls for version v + 1 only after that. With
+``backup=0`` the quorum is all W workers and the result equals the single-process
+trainer (each worker a part of each global batch, as in data parallel). With
+``backup=b`` the quorum is W - b: the first W - b gradients to arrive make the
+step and late ones are dropped (Chen et al., 2016), so one slow worker no longer
+holds everyone back.
+
+``mode="async"``: pushes are applied as they arrive and pulls answered at once. A
+gradient computed at version v' and applied at version v has *staleness* v - v';
+the server records it per update. With ``staleness_aware=True`` it is applied with
+learning rate ``lr / max(1, staleness)`` (Zhang et al., 2016, "Staleness-aware
+async-SGD").
+
+Messages: a worker's request is an int64 row list ``[kind, version, *rows]``; a
+push is followed by its gradient rows (``send_rows``). Servers read requests from
+all workers at once through an ``Inbox`` (one listener thread per worker).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ...comm import Communicator
+from ...launch import launch
+from ...parallel.inbox import Inbox
+from ...parallel.messages import recv_rows, send_rows
+from ..model import (
+    DEFAULT_CONFIG,
+    GloveConfig,
+    Pairs,
+    adagrad_update,
+    init_gradsq,
+    init_table,
+    pair_gradients,
+)
+from .common import Clock, TrainResult, batch_slices, epochs, split, total_bytes, training_order
+
+PULL, PUSH, DONE = 0, 1, 2
+MODES = ("sync", "async")
+
+
+def _read_request(comm: Communicator, src: int, width: int):
+    """One request from a worker: (kind, version, rows, grads or None); None for DONE."""
+    request = recv_rows(comm, src, torch.int64)
+    kind = int(request[0])
+    if kind == DONE:
+        return None
+    grads = recv_rows(comm, src, torch.float32, (width,)) if kind == PUSH else None
+    return kind, int(request[1]), request[2:], grads
+
+
+class Server:
+    """One parameter server: rows ``x`` with ``x % servers == rank`` (see the module docstring)."""
+
+    def __init__(self, comm, vocab_size, config, servers, workers, mode, backup, staleness_aware):
+        self.comm, self.config, self.servers = comm, config, servers
+        self.mode, self.staleness_aware = mode, staleness_aware
+        full_table = init_table(
+            vocab_size, config.dim, config.seed
+        )  # every server starts from the same table
+        self.owned = torch.arange(comm.rank, 2 * vocab_size, servers)
+        self.table = full_table[self.owned].clone()
+        self.gradsq = init_gradsq(vocab_size, config.dim)[self.owned].clone()
+        self.version = 0
+        self.workers = list(range(servers, servers + workers))
+        self.active = set(self.workers)
+        self.quorum = workers - backup
+        self.collected: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # sync: worker -> this step's push
+        self.waiting: dict[int, tuple[int, torch.Tensor]] = {}  # sync: worker -> pull not yet answered
+        self.staleness: list[int] = []
+        self.dropped = self.applied_rows = 0
+
+    def serve(self) -> None:
+        width = self.config.dim + 1
+        inbox = Inbox(self.comm, self.workers, lambda comm, src: _read_request(comm, src, width))
+        while self.active:
+            src, message = inbox.get(timeout=self.comm.timeout)
+            if message is None:
+                self.active.discard(src)
+            else:
+                kind, version, rows, grads = message
+                if kind == PULL:
+                    self._pull(src, version, rows)
+                else:
+                    self._push(src, version, rows, grads)
+            if self.mode == "sync":
+                self._maybe_step()
+
+    def _answer(self, src, rows):
+        send_rows(self.comm, self.table[rows // self.servers], src)
+        self.comm.send(torch.tensor([self.version]), src)
+
+    def _pull(self, src, min_version, rows):
+        if self.mode == "async" or self.version >= min_version:
+            self._answer(src, rows)
+        else:
+            self.waiting[src] = (min_version, rows)
+
+    def _push(self, src, version, rows, grads):
+        local = rows // self.servers
+        if self.mode == "async":
+            staleness = self.version - version
+            self.staleness.append(staleness)
+            lr = self.config.lr / max(1, staleness) if self.staleness_aware else self.config.lr
+            adagrad_update(self.table, self.gradsq, local, grads, lr)
+            self.applied_rows += len(rows)
+            self.version += 1
+        elif version == self.version:
+            self.collected[src] = (local, grads)
+        else:  # a straggler's gradient for a step that is already done
+            self.dropped += 1
+
+    def _maybe_step(self):
+        # Workers that can still push for this step: the active ones, and those that
+        # pushed and then finished (without the latter a step could close early).
+        can_push = len(self.active | self.collected.keys())
+        if self.collected and len(self.collected) >= min(self.quorum, can_push):
+            parts = [self.collected[w] for w in sorted(self.collected)]  # worker order: deterministic
+            rows, grads = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            adagrad_update(self.table, self.gradsq, rows, grads, self.config.lr)
+            self.staleness += [0] * len(parts)
+            self.applied_rows += len(rows)
+            self.collected.clear()
+            self.version += 1
+        for src, (min_version, rows) in list(self.waiting.items()):
+            if self.version >= min_version:
+                del self.waiting[src]
+                self._answer(src, rows)
+
+
+def _worker(comm, order, config, servers, workers, mode, slow_worker, slow_delay, progress):
+    """A worker's loop: pull the rows of my part of a global batch, compute, push.
+
+    In sync mode the step is set by the servers' version: a worker that falls behind
+    (its push dropped) skips ahead to the step the servers are at.
+    """
+    me, width = comm.rank - servers, config.dim + 1
+    global_batches = list(batch_slices(0, len(order), config.batch_size))
+    total_steps = config.epochs * len(global_batches)
+    losses: dict[int, float] = {}  # epoch -> summed loss of the batches I computed
+    counts: dict[int, int] = {}  # epoch -> pairs in them
+    times: dict[int, float] = {}
+    pairs_pushed, step = 0, 0
+    clock = Clock()
+    bar = epochs(config.epochs, f"parameter server ({mode})", progress and me == 0)
+    bar_epoch = iter(bar)
+    while step < total_steps:
+        epoch, batch = divmod(step, len(global_batches))
+        if epoch not in losses and epoch > 0:
+            next(bar_epoch, None)
+        first, last = global_batches[batch].start, global_batches[batch].stop
+        mine = order.subset(slice(first, last)).subset(split(last - first, workers, me))
+        if me == slow_worker:
+            time.sleep(slow_delay)  # an injected straggler (a busy or slower machine)
+        rows = torch.cat([mine.rows, mine.cols])
+        needed, inverse = torch.unique(rows, return_inverse=True)
+        owner = needed % servers
+        min_version = step if mode == "sync" else 0  # sync: the servers answer once they are at my step
+        for s in range(servers):  # ask every server first, then collect: the servers work in parallel
+            send_rows(comm, torch.cat([torch.tensor([PULL, min_version]), needed[owner == s]]), s)
+        values, versions = torch.empty(len(needed), width), []
+        for s in range(servers):
+            values[owner == s] = recv_rows(comm, s, torch.float32, (width,))
+            version = torch.empty(1, dtype=torch.int64)
+            comm.recv(version, s)
+            versions.append(int(version))
+        if mode == "sync" and versions[0] >= total_steps:
+            break  # the others finished every step without me (backup workers)
+        grads, batch_loss = pair_gradients(values[inverse], mine.log_x, mine.f_x)
+        losses[epoch] = losses.get(epoch, 0.0) + float(batch_loss)
+        counts[epoch] = counts.get(epoch, 0) + len(mine)
+        pairs_pushed += len(mine)
+        row_owner = rows % servers
+        for s in range(servers):
+            here = row_owner == s
+            send_rows(comm, torch.cat([torch.tensor([PUSH, versions[s]]), rows[here]]), s)
+            send_rows(comm, grads[here], s)
+        times[epoch] = clock()
+        step = max(versions) + 1 if mode == "sync" else step + 1
+    for s in range(servers):
+        send_rows(comm, torch.tensor([DONE, 0]), s)
+    return {e: (times[e], losses[e], counts[e]) for e in losses}, clock(), pairs_pushed
+
+
+def param_server_rank(
+    comm, order, config, servers, mode, backup, staleness_aware, slow_worker, slow_delay, progress
+):
+    workers = comm.world_size - servers
+    comm.barrier()
+    if comm.rank < servers:
+        server = Server(comm, order.vocab_size, config, servers, workers, mode, backup, staleness_aware)
+        clock = Clock()
+        server.serve()
+        return (
+            "server",
+            server.owned,
+            server.table,
+            server.gradsq,
+            server.staleness,
+            server.dropped,
+            server.applied_rows,
+            clock(),
+            comm.stats,
+        )
+    history, seconds, pushed = _worker(
+        comm, order, config, servers, workers, mode, slow_worker, slow_delay, progress
+    )
+    return "worker", history, seconds, pushed, comm.stats
+
+
+def train_param_server(
+    pairs: Pairs,
+    config: GloveConfig = DEFAULT_CONFIG,
+    *,
+    workers: int = 2,
+    servers: int = 1,
+    mode: str = "async",
+    backup: int = 0,
+    staleness_aware: bool = False,
+    slow_worker: int | None = None,
+    slow_delay: float = 0.0,
+    transport: str = "pipe",
+    timeout: float = 600.0,
+    progress: bool = False,
+) -> TrainResult:
+    """A parameter server with ``servers`` server and ``workers`` worker processes.
+
+    ``slow_worker`` (0-based among workers) sleeps ``slow_delay`` seconds every step.
+    The result's ``extra`` holds ``staleness`` (one value per applied push, all servers)
+    and ``dropped`` (pushes a sync server discarded as too late).
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if not 0 <= backup < workers:
+        raise ValueError(f"backup must be between 0 and workers - 1 = {workers - 1}, got {backup}")
+    if backup and mode != "sync":
+        raise ValueError("backup workers only make sense with mode='sync'")
+    order = training_order(pairs, config).share_memory_()
+    outs = launch(
+        param_server_rank,
+        servers + workers,
+        args=(order, config, servers, mode, backup, staleness_aware, slow_worker, slow_delay, progress),
+        transport=transport,
+        timeout=timeout,
+        threads_per_worker=1,
+    )
+    table = torch.empty(2 * pairs.vocab_size, config.dim + 1)
+    gradsq = torch.empty_like(table)
+    staleness, dropped, applied_rows = [], 0, 0
+    for _, owned, rows, squares, stale, drop, applied, _, _ in outs[:servers]:
+        table[owned], gradsq[owned] = rows, squares
+        staleness += stale
+        dropped += drop
+        applied_rows += applied
+    worker_outs = outs[servers:]
+    # An epoch ends when its last batch is done; its loss sums what every worker computed.
+    history = [
+        (
+            max(w[1][e][0] for w in worker_outs if e in w[1]),
+            sum(w[1][e][1] for w in worker_outs if e in w[1]) / len(order),
+        )
+        for e in range(config.epochs)
+    ]
+    details = [mode] + ["staleness-aware"] * staleness_aware + [f"{backup} backup"] * bool(backup)
+    name = f"parameter server ({', '.join(details)})"
+    return TrainResult(
+        name,
+        table,
+        gradsq,
+        history,
+        applied_rows // 2,  # every pair pushes two rows
+        max(w[2] for w in worker_outs),
+        workers,
+        total_bytes([o[-1] for o in outs]),
+        extra={"staleness": staleness, "dropped": dropped, "servers": servers},
+    )
