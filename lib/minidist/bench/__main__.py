@@ -1,4 +1,4 @@
-"""``python -m minidist.bench {p2p,launch,collectives}`` -- see each module's docstring."""
+"""``python -m minidist.bench {p2p,launch,collectives,glove}`` -- see each module's docstring."""
 
 from __future__ import annotations
 
@@ -45,7 +45,20 @@ def main(argv=None) -> None:
     coll.add_argument("--scale", type=float, default=1.0, help="multiply the iteration counts")
     coll.add_argument("--out", default=None)
     coll.add_argument("--no-plot", action="store_true")
+    glove = sub.add_parser("glove", help="every GloVe trainer with 1 and 2 workers: pairs/s, loss, quality")
+    glove.add_argument("--corpus", default="full", help="full (default), leads, articles or small")
+    glove.add_argument("--epochs", type=int, default=15)
+    glove.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    glove.add_argument("--trainers", nargs="+", default=None, help="default: all")
+    glove.add_argument("--out", default=None)
+    glove.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
+    if args.bench == "glove":
+        from . import glove as bench
+
+        trainers = tuple(args.trainers) if args.trainers else tuple(bench.TRAINERS)
+        bench.run(args.corpus, args.epochs, tuple(args.workers), trainers, args.out, not args.no_plot)
+        return
     if args.bench == "collectives":
         from . import collectives as bench
 

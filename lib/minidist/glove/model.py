@@ -26,7 +26,10 @@ Every pair reads ``G`` as it was at the start of the batch, and updates of rows 
 occur several times in a batch add up. So the result of a step does not depend on
 the order of the pairs in the batch -- which is what lets a synchronous parallel
 step (each worker a part of the batch, updates combined) equal the single-process
-one up to floating-point rounding. With B = 1 this is exactly glove.c's update.
+one up to floating-point rounding. With B = 1 this is per-pair AdaGrad as in the
+paper, with glove.c's clipping of ``f diff`` to [-100, 100]. (glove.c itself
+accumulates the squares of ``lr * g`` rather than of ``g``, a larger effective step;
+we keep textbook AdaGrad and a larger lr instead.)
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def _dense_step(comm, table, gradsq, rows, grads, lr):
     delta = torch.zeros((2, *table.shape))  # [change of table, change of G]
     delta[0].index_add_(0, rows, grads / gradsq[rows].sqrt_(), alpha=-lr)
     delta[1].index_add_(0, rows, grads.square_())
-    allreduce(comm, delta, op="sum")
+    allreduce(comm, delta, op="sum", algorithm="ring")  # ring: its bytes are counted
     table += delta[0]
     gradsq += delta[1]
 
