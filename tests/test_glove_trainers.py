@@ -1,0 +1,167 @@
+"""GloVe track, trainers: every parallel trainer against the single-process one.
+
+Synchronous trainers must equal it to float tolerance (same global batch, or the
+same schedule replayed); asynchronous ones (async parameter server, Hogwild) are
+checked for convergence against its loss, and with one worker for equality.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from minidist import glove
+from minidist.glove.trainers import model_parallel
+from minidist.glove.trainers.common import training_order
+
+CONFIG = glove.GloveConfig(epochs=2, batch_size=512, seed=3)
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def data():
+    return glove.load("small")
+
+
+@pytest.fixture(scope="module")
+def pairs(data):
+    """A random 20k of the small slice's pairs: fast, and still many repeated rows per batch."""
+    return data.pairs.shuffled(7).subset(slice(0, 20_000))
+
+
+@pytest.fixture(scope="module")
+def single(pairs):
+    return glove.train_single(pairs, CONFIG)
+
+
+def assert_same_training(result, reference, atol=1e-5):
+    torch.testing.assert_close(result.table, reference.table, atol=atol, rtol=1e-4)
+    torch.testing.assert_close(result.gradsq, reference.gradsq, atol=atol, rtol=1e-4)
+    np.testing.assert_allclose([h[1] for h in result.history], [h[1] for h in reference.history], rtol=1e-5)
+
+
+def test_single_learns(pairs, single):
+    losses = [h[1] for h in single.history]
+    assert losses[1] < losses[0]
+    assert single.pairs_trained == 2 * len(pairs)
+    # The epoch's loss is measured while training; the loss of the final table is lower still.
+    assert glove.full_loss(single.table, pairs) < losses[-1]
+
+
+@pytest.mark.parametrize("variant", ["dense", "sparse"])
+@pytest.mark.parametrize("workers", [2, 3])
+def test_sync_data_parallel_equals_single(pairs, single, variant, workers):
+    result = glove.train_data_parallel(pairs, CONFIG, workers=workers, variant=variant, timeout=120)
+    assert_same_training(result, single)
+    assert result.comm_bytes > 0
+
+
+def test_data_parallel_bytes_match_the_formulas(pairs):
+    """Dense: a ring allreduce of 2 x 2V x (dim+1) floats per step; sparse: allgather of
+    the padded touched rows. Both measured from comm.stats, checked against the docstrings."""
+    config = glove.GloveConfig(epochs=1, batch_size=4000, dim=10)
+    p, steps, width = 2, -(-len(pairs) // 4000), 11
+    V = pairs.vocab_size
+    dense = glove.train_data_parallel(pairs, config, workers=p, variant="dense", timeout=120)
+    sparse = glove.train_data_parallel(pairs, config, workers=p, variant="sparse", timeout=120)
+    bookkeeping = 2 * p * 8  # the loss allreduce at the end of the epoch (ring on 1 float64 over 2 ranks)
+    dense_per_rank = 2 * (p - 1) / p * (2 * 2 * V * width * 4)
+    assert dense.comm_bytes == pytest.approx(p * steps * dense_per_rank, rel=0.01)
+    part = 2000  # ceil(batch / p)
+    sparse_per_rank = (p - 1) * 2 * part * (8 + width * 4)
+    assert sparse.comm_bytes - bookkeeping == pytest.approx(p * steps * sparse_per_rank, rel=0.01)
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_model_parallel_equals_single_replaying_its_schedule(pairs, workers):
+    result = glove.train_model_parallel(pairs, CONFIG, workers=workers, timeout=120)
+    order = training_order(pairs, CONFIG)
+    schedule = model_parallel.schedule(order, workers, CONFIG.batch_size)
+    assert sorted(torch.cat(schedule).tolist()) == list(range(len(pairs)))  # every pair once per epoch
+    replay = glove.train_single(pairs, CONFIG, batches=schedule)
+    assert_same_training(result, replay, atol=1e-6)
+
+
+def test_model_parallel_sends_only_context_shards(pairs):
+    workers, config = 2, glove.GloveConfig(epochs=1, dim=10)
+    result = glove.train_model_parallel(pairs, config, workers=workers, timeout=120)
+    shard_bytes = 2 * (pairs.vocab_size // workers) * 11 * 4  # rows + G of one context shard
+    bookkeeping = 2 * workers * 8 + 64  # loss allreduce, barriers
+    assert (
+        workers * workers * shard_bytes <= result.comm_bytes <= workers * workers * shard_bytes + bookkeeping
+    )
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_sync_parameter_server_equals_single(pairs, single, servers):
+    result = glove.train_param_server(pairs, CONFIG, workers=2, servers=servers, mode="sync", timeout=120)
+    assert_same_training(result, single)
+    assert set(result.extra["staleness"]) == {0}
+    assert result.extra["dropped"] == 0
+
+
+@pytest.mark.parametrize("staleness_aware", [False, True])
+def test_async_parameter_server_with_one_worker_is_sequential(pairs, single, staleness_aware):
+    result = glove.train_param_server(
+        pairs, CONFIG, workers=1, mode="async", staleness_aware=staleness_aware, timeout=120
+    )
+    assert_same_training(result, single)
+    assert set(result.extra["staleness"]) == {0}
+
+
+@pytest.mark.parametrize("staleness_aware", [False, True])
+def test_async_parameter_server_converges(pairs, single, staleness_aware):
+    result = glove.train_param_server(
+        pairs, CONFIG, workers=3, servers=2, mode="async", staleness_aware=staleness_aware, timeout=120
+    )
+    steps = CONFIG.epochs * -(-len(pairs) // CONFIG.batch_size)
+    assert len(result.extra["staleness"]) == steps * 3 * 2  # one per push: steps x workers x servers
+    assert min(result.extra["staleness"]) >= 0
+    assert result.pairs_trained == single.pairs_trained
+    final, reference = glove.full_loss(result.table, pairs), glove.full_loss(single.table, pairs)
+    # Staleness-aware steps are smaller (lr / staleness): slower per epoch, never divergent.
+    assert final < (1.25 if staleness_aware else 1.1) * reference
+    assert final < 0.8 * result.history[0][1]
+
+
+def test_backup_worker_drops_the_straggler(pairs, single):
+    result = glove.train_param_server(
+        pairs, CONFIG, workers=3, mode="sync", backup=1, slow_worker=2, slow_delay=0.01, timeout=120
+    )
+    assert result.extra["dropped"] > 0
+    assert set(result.extra["staleness"]) == {0}
+    assert result.pairs_trained < single.pairs_trained  # the dropped gradients are lost work
+    assert glove.full_loss(result.table, pairs) < 1.2 * glove.full_loss(single.table, pairs)
+
+
+def test_parameter_server_rejects_bad_arguments(pairs):
+    with pytest.raises(ValueError, match="mode"):
+        glove.train_param_server(pairs, CONFIG, mode="eventual")
+    with pytest.raises(ValueError, match="backup"):
+        glove.train_param_server(pairs, CONFIG, workers=2, mode="sync", backup=2)
+    with pytest.raises(ValueError, match="sync"):
+        glove.train_param_server(pairs, CONFIG, workers=2, mode="async", backup=1)
+    with pytest.raises(ValueError, match="variant"):
+        glove.train_data_parallel(pairs, CONFIG, variant="compressed")
+
+
+def test_hogwild_with_one_worker_equals_single(pairs, single):
+    assert_same_training(glove.train_hogwild(pairs, CONFIG, workers=1, timeout=120), single, atol=1e-6)
+
+
+def test_hogwild_converges_like_single(pairs, single):
+    result = glove.train_hogwild(pairs, CONFIG, workers=2, timeout=120)
+    assert result.pairs_trained == single.pairs_trained
+    assert glove.full_loss(result.table, pairs) < 1.1 * glove.full_loss(single.table, pairs)
+
+
+def test_quality_is_well_above_random_vectors(data):
+    """The CI check of the whole pipeline: the small slice, fixed seed, a few epochs."""
+    config = glove.GloveConfig(epochs=4, seed=0)
+    result = glove.train_hogwild(data.pairs, config, workers=2, timeout=120)
+    random_vectors = np.random.default_rng(0).normal(size=(len(data.vocab), config.dim))
+    random_ws = glove.similarity_score(random_vectors, data.vocab)[0]
+    quality = glove.evaluate(result.vectors(), data.vocab)
+    assert quality.wordsim353 > 0.12
+    assert quality.wordsim353 > random_ws + 0.12
