@@ -82,3 +82,20 @@ def test_collectives_benchmark_reports_every_algorithm_against_gloo(tmp_path):
         report = data["crossovers"][transport]
         assert len(report["measured_best"]) == len(report["predicted_best"]) == 3
         assert report["alpha_us"] > 0 and report["beta_GBps"] > 0
+
+
+@pytest.mark.slow
+def test_glove_benchmark_reports_every_trainer_against_single(tmp_path):
+    out = run_bench("glove", "--corpus", "small", "--epochs", "1", "--workers", "2", out=tmp_path)
+    assert "x single" in out and "WS353" in out and "goals:" in out
+    data = json.loads((tmp_path / "glove.json").read_text())
+    trainers = {"data-sparse", "data-dense", "model", "ps-sync", "ps-async", "ps-async-stale", "hogwild"}
+    assert set(data) == {"single/1"} | {f"{t}/2" for t in trainers}
+    single = data["single/1"]
+    for key, row in data.items():
+        assert row["pairs_per_second"] > 0 and len(row["history"]) == 1, key
+        # every trainer saw the same pairs once: the epoch losses agree to within a few percent
+        assert row["final_loss"] == pytest.approx(single["final_loss"], rel=0.1), key
+    assert data["data-sparse/2"]["comm_bytes"] < data["data-dense/2"]["comm_bytes"]
+    assert data["model/2"]["comm_bytes"] < data["data-sparse/2"]["comm_bytes"]
+    assert (tmp_path / "glove.png").stat().st_size > 10_000
