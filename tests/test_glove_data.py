@@ -51,7 +51,10 @@ def test_count_equals_the_definition(window):
     documents = [rng.integers(0, 7, size=n) for n in (0, 1, 9, 30, 4)]
     result = cooccur.count(documents, vocab_size=7, window=window)
     expected = brute_force_counts([list(d) for d in documents], window)
-    got = {(int(i), int(j)): Fraction(int(u), result.scale) for i, j, u in zip(result.rows, result.cols, result.units)}
+    got = {
+        (int(i), int(j)): Fraction(int(u), result.scale)
+        for i, j, u in zip(result.rows, result.cols, result.units)
+    }
     assert got == expected  # exact: integer units
     assert np.all(result.rows != result.cols)
     keys = result.rows * 7 + result.cols
@@ -173,8 +176,11 @@ def test_batch_of_one_is_per_pair_adagrad():
             W[row][dim] -= lr * fdiff / math.sqrt(G[row][dim])
             G[row][dim] += fdiff * fdiff
         batch = model.Pairs(
-            torch.tensor([i]), torch.tensor([j + vocab]), torch.tensor([math.log(x)]).double(),
-            model.weighting(torch.tensor([x], dtype=torch.float64)), vocab,
+            torch.tensor([i]),
+            torch.tensor([j + vocab]),
+            torch.tensor([math.log(x)]).double(),
+            model.weighting(torch.tensor([x], dtype=torch.float64)),
+            vocab,
         )
         model.batch_step(table, gradsq, batch, lr)
     np.testing.assert_allclose(table.numpy(), W, rtol=1e-9)
@@ -190,15 +196,19 @@ def test_spearman_matches_scipy_including_ties():
 
 
 def test_evaluation_on_vectors_built_to_answer():
-    vocab = corpus.Vocabulary(("athens", "greece", "berlin", "germany", "paris", "france", "tiger", "cat"),
-                              np.ones(8, dtype=np.int64))
+    vocab = corpus.Vocabulary(
+        ("athens", "greece", "berlin", "germany", "paris", "france", "tiger", "cat"),
+        np.ones(8, dtype=np.int64),
+    )
     capital, country = np.array([1.0, 0, 0, 0, 0]), np.array([0, 1.0, 0, 0, 0])
     places = {"athens": 2, "berlin": 3, "paris": 4}
     vectors = np.zeros((8, 5))
     for city, axis in places.items():
         place = np.eye(5)[axis]
         vectors[vocab.index[city]] = capital + place
-        vectors[vocab.index[{"athens": "greece", "berlin": "germany", "paris": "france"}[city]]] = country + place
+        vectors[vocab.index[{"athens": "greece", "berlin": "germany", "paris": "france"}[city]]] = (
+            country + place
+        )
     vectors[6], vectors[7] = [0.1, 0.1, 0.1, 0.1, 1], [0.1, 0.1, 0.1, 0.2, 1]
     result = analogy_accuracy(vectors, vocab)
     assert result.answered >= 6  # e.g. athens greece berlin germany, in both orders
