@@ -13,7 +13,9 @@
     outs = md.launch(worker, world_size=2, args=(2.0,), transport="shm")
 
 Layers (each uses only the ones above it): ``launch`` -> transports
-(``pipe``, ``shm``, ``torch``) -> collectives -> training patterns -> models -> tools.
+(``pipe``, ``shm``, ``torch``) -> collectives -> training patterns (``minidist.parallel``)
+-> models and data (``minidist.glove``) -> tools (``minidist.bench``).
+The GloVe track is imported on its own: ``from minidist import glove``.
 """
 
 from . import collectives
