@@ -1,0 +1,86 @@
+"""How ``python -m grader grade`` runs assignment 2: the hidden tests as jobs plus trusted checks.
+
+Each ``Case`` of ``test_hidden.cases(seed)`` becomes a ``Job`` (a worker of ``workers.py``, its
+ranks and JSON arguments, with data seeds only this run knows) that the sandbox runs, and the
+case's check, which runs here on the reports read back as JSON and ``.npy``: the references
+(``reference.py``) are recomputed here from the same seeds. The sandbox gets ``workers.py``
+only: never ``test_hidden.py``, ``reference.py``, the expected values or the points.
+"""
+
+from __future__ import annotations
+
+import re
+
+from grader.plan import GradedTest, Job
+
+from . import STUDENT_FILES
+from . import test_hidden as hidden
+
+__all__ = [
+    "STUDENT_FILES",
+    "SANDBOX_FILES",
+    "graded_tests",
+    "failure_message",
+    "import_failure",
+    "redact",
+    "HINTS",
+]
+
+#: files of this folder the sandbox needs (the code the worker processes run)
+SANDBOX_FILES = ("workers.py",)
+WORKERS_MODULE = "workers"
+
+HINTS = {
+    "staleness_aware_lr": "lr / max(1, staleness): staleness 0 and 1 both get the full rate.",
+    "run_server": "Answer a pull with the rows, then the version; apply a push at once, then version += 1.",
+    "ps_worker": "Push the version your pull returned; rows and grads in batch order; DONE at the end.",
+    "hogwild_worker": "Your part is split(len(order), world_size, rank); batch_step on the shared tensors.",
+}
+
+
+def graded_tests(seed: int) -> list[GradedTest]:
+    """Every hidden test of ``test_hidden.py``, in its order, as (job, trusted check)."""
+    return [
+        GradedTest(
+            case.name,
+            case.points,
+            case.function,
+            Job(WORKERS_MODULE, case.worker, case.world_size, case.args, case.transport),
+            case.check,
+        )
+        for case in hidden.cases(seed)
+    ]
+
+
+def failure_message(test: GradedTest, error: dict, seconds: float) -> str:
+    """The student-facing message for a job that did not return (``error`` as the harness wrote it)."""
+    job, text = test.job, str(error.get("text", ""))
+    if error.get("kind") == "timeout":
+        return hidden.timeout_failure(test.function, job.world_size, job.transport, seconds, text)
+    if error.get("kind") == "worker":
+        exc_type, summary = str(error.get("exc_type", "")), str(error.get("summary", ""))
+        return hidden.worker_failure(
+            test.function, job.world_size, job.transport, exc_type, error.get("rank", "?"), summary, text
+        )
+    return f"{test.function}: the test harness failed: {text}"
+
+
+def import_failure(error: dict) -> str | None:
+    """A one-line summary when a job failed because ``async_ps.py`` could not be imported."""
+    text, exc_type = str(error.get("text", "")), str(error.get("exc_type", ""))
+    if error.get("kind") != "worker":
+        return None
+    if (
+        exc_type in ("ImportError", "ModuleNotFoundError", "SyntaxError")
+        or "import_module(STUDENT_MODULE)" in text
+    ):
+        return f"{exc_type or 'the process died'}: {str(error.get('summary', ''))[:200]}"
+    return None
+
+
+_EXPECTED_VALUE = re.compile(r"(is [^,(]+), expected [^(]+?( \(|$)")
+
+
+def redact(message: str) -> str:
+    """What a student may see: the wrong value, not the expected one."""
+    return _EXPECTED_VALUE.sub(r"\1, which is wrong\2", message)
