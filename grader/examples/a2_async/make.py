@@ -1,0 +1,80 @@
+"""Write example submissions of assignment 2, as an instructor would download them.
+
+``python -m grader.examples.a2_async.make OUT`` writes, into OUT:
+
+* ``alice``: correct (the solution);
+* ``bob``: partially correct: a server that ignores the staleness (always ``config.lr``), and
+  no Hogwild (the stub's ``hogwild_worker``);
+* ``carol``: wrong everywhere: ``staleness_aware_lr`` multiplies, the server never counts
+  versions, the workers push version 0, and every Hogwild rank trains on all the pairs;
+* ``dave``: workers that never say DONE: the server waits for them forever (a deadlock in
+  every test with its workers; its server still earns its points with the trusted workers);
+* ``erin``: imports a module that does not exist.
+
+``EXPECTED`` holds the status and score each must get on all the hidden tests. The
+submissions are generated from ``solutions/`` and ``assignments/`` (so they follow the
+assignment when it changes); nothing here is committed but this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from grader.examples.a1_collectives.make import function_source, replace_function, write
+
+ROOT = Path(__file__).resolve().parents[3]
+SOLUTION = ROOT / "solutions" / "a2_async" / "async_ps.py"
+STUB = ROOT / "assignments" / "a2_async" / "async_ps.py"
+FILE = "async_ps.py"
+
+#: student -> (status, score on every hidden test, out of 36)
+EXPECTED = {
+    "alice": ("ok", 36),
+    "bob": ("ok", 25),
+    "carol": ("ok", 11),
+    "dave": ("ok", 22),
+    "erin": ("import_error", 0),
+}
+
+
+def edit(source: str, old: str, new: str) -> str:
+    """``source`` with ``old`` (which must occur exactly once) replaced by ``new``."""
+    if source.count(old) != 1:
+        raise ValueError(f"the solution changed: {old!r} occurs {source.count(old)} times")
+    return source.replace(old, new)
+
+
+def build_dict() -> dict[str, dict[str, bytes]]:
+    solution, stub = SOLUTION.read_text(), STUB.read_text()
+    bob = edit(solution, "staleness_aware_lr(config.lr, version - pulled)", "config.lr")
+    bob = replace_function(bob, "hogwild_worker", function_source(stub, "hogwild_worker"))
+    carol = edit(solution, "return lr / max(1, staleness)", "return lr * max(1, staleness)")
+    carol = edit(carol, "            version += 1\n", "")
+    carol = edit(carol, "torch.tensor([PUSH, int(version)])", "torch.tensor([PUSH, 0])")
+    carol = edit(
+        carol,
+        "    mine = order.subset(split(len(order), comm.world_size, comm.rank))\n",
+        "    mine = order  # everything, on every rank\n",
+    )
+    dave = edit(solution, "    send_rows(comm, torch.tensor([DONE, 0]), 0)\n", "")
+    erin = edit(
+        solution, "import torch\n", "import torch\nimport minidist_extras  # not installed anywhere\n"
+    )
+    return {name: {FILE: text.encode()} for name, text in zip(EXPECTED, (solution, bob, carol, dave, erin))}
+
+
+def build(out: Path) -> list[Path]:
+    return write(out, build_dict())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    args = parser.parse_args()
+    written = build(args.out)
+    print(f"wrote {len(written)} submissions into {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""``python -m grader grade a2_async``: assignment 2 goes through the same pipeline as a1.
+
+The graded tests are the hidden tests with their points; the solution scores full marks, the
+released stub zero (every test failing with NotImplementedError), and the example students of
+``grader/examples/a2_async/make.py`` get exactly their expected scores, a deadlock included.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from grader.examples.a2_async import make
+
+with warnings.catch_warnings():  # `points` is registered by grader/a2_async/conftest.py only
+    warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
+    from grader.a2_async import grading
+    from grader.a2_async import test_hidden as hidden
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def grade(submissions: Path, out: Path, *extra: str) -> str:
+    command = [sys.executable, "-m", "grader", "grade", "a2_async", str(submissions), "--out", str(out)]
+    result = subprocess.run(
+        [*command, *extra], cwd=ROOT, capture_output=True, text=True, timeout=300, start_new_session=True
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+def gradebook(out: Path) -> dict[str, dict]:
+    with open(out / "gradebook.csv", newline="") as file:
+        return {row["id"]: row for row in csv.DictReader(file)}
+
+
+def test_graded_tests_are_the_hidden_tests_with_their_points():
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "grader/a2_async",
+        "--collect-only",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+    ]
+    collected = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
+    names = [line.split("::", 1)[1] for line in collected.splitlines() if "::" in line]
+    graded = grading.graded_tests(seed=12345)
+    assert [t.name for t in graded] == names and len(names) >= 15
+    for test in graded:
+        function = getattr(hidden, test.name.split("[")[0])
+        marker = next(m for m in function.pytestmark if m.name == "points")
+        assert test.points == marker.args[0], test.name
+        assert test.function in grading.HINTS and test.function in hidden.TASKS
+
+
+def test_seeds_change_the_data_not_the_tests():
+    one, two = grading.graded_tests(1), grading.graded_tests(2)
+    assert [t.name for t in one] == [t.name for t in two]
+    assert one[1].job.args != two[1].job.args  # other data seeds
+    json.dumps([t.job.as_json("t", 1.0) for t in one])  # jobs travel as JSON
+
+
+def test_feedback_never_shows_expected_values():
+    message = "x: the table: element (3, 1) is 0.125, expected 0.25 (4 of 10 elements are wrong)"
+    assert "0.25" not in grading.redact(message) and "0.125" in grading.redact(message)
+    assert "0.05" not in grading.redact("the loss of epoch 2 is 0.0712, expected 0.05")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_solution_scores_full_marks_the_stub_zero_and_the_examples_their_scores(tmp_path):
+    submissions = tmp_path / "subs"
+    examples = make.build_dict()
+    make.write(submissions, {name: examples[name] for name in ("alice", "carol", "erin")})
+    (submissions / "stub").mkdir()
+    (submissions / "stub" / make.FILE).write_bytes(make.STUB.read_bytes())
+    out = tmp_path / "out"
+    grade(submissions, out, "--jobs", "2", "--test-timeout", "20")
+    book = gradebook(out)
+    total = sum(t.points for t in grading.graded_tests(0))
+    assert book["alice"]["score"] == f"{total:g}" == book["alice"]["max_score"], book["alice"]
+    assert book["stub"]["score"] == "0" and book["stub"]["status"] == "ok"
+    stub = json.loads((out / "stub" / "results.json").read_text())
+    assert len(stub["tests"]) == len(grading.graded_tests(0))
+    assert all("NotImplementedError" in t["output"] and "TODO(task" in t["output"] for t in stub["tests"])
+    for student in ("carol", "erin"):
+        status, score = make.EXPECTED[student]
+        assert (book[student]["status"], float(book[student]["score"])) == (status, score), book[student]
+    feedback = (out / "carol" / "feedback.md").read_text()
+    assert "which is wrong" in feedback and "def test_" not in feedback
+
+    # a deadlock costs one test timeout per test it hangs, and only those tests' points
+    dave = tmp_path / "dave"
+    make.write(dave, {"dave": examples["dave"]})
+    grade(
+        dave,
+        tmp_path / "out-dave",
+        "--test-timeout",
+        "3",
+        "--tests",
+        "test_server_lockstep*",
+        "--tests",
+        "test_worker_alone*",
+    )
+    row = gradebook(tmp_path / "out-dave")["dave"]
+    assert (row["score"], row["max_score"]) == ("6", "9"), row
+    assert "did not finish within 3 s" in (tmp_path / "out-dave" / "dave" / "feedback.md").read_text()
