@@ -191,3 +191,51 @@ def test_stub_imports_and_each_function_raises_not_implemented_with_its_task(tmp
         timeout=120,
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+# --- assignment 2: async parameter server and Hogwild -----------------------------------------
+A2 = "a2_async"
+A2_SOLUTION, A2_STUB, A2_HIDDEN = ROOT / "solutions" / A2, ROOT / "assignments" / A2, ROOT / "grader" / A2
+A2_PUBLIC = "test_a2_async.py"
+A2_FUNCTIONS = ["staleness_aware_lr", "run_server", "ps_worker", "hogwild_worker"]
+
+
+def split_outcomes(outcomes: dict[str, Outcome]) -> tuple[list[Outcome], list[Outcome]]:
+    hidden = [o for t, o in outcomes.items() if t.startswith(f"grader.{A2}.")]
+    return hidden, [o for t, o in outcomes.items() if not t.startswith(f"grader.{A2}.")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a2_solution_passes_public_and_hidden_tests(tmp_path):
+    outcomes, output = run_pytest(tmp_path, A2_SOLUTION, [A2_SOLUTION / A2_PUBLIC, A2_HIDDEN], timeout=250)
+    not_passed = {t: o for t, o in outcomes.items() if o.status != "passed"}
+    assert not not_passed, describe(not_passed)
+    hidden, public = split_outcomes(outcomes)
+    assert len(public) >= 5 and len(hidden) >= 15
+    assert all(o.points and o.points > 0 for o in hidden) and all(o.points is None for o in public)
+    total = sum(o.points for o in hidden)
+    assert f"score: {total:g} / {total:g} points" in output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a2_released_stub_fails_every_test_with_not_implemented(tmp_path):
+    outcomes, _ = run_pytest(tmp_path, A2_STUB, [A2_STUB / A2_PUBLIC, A2_HIDDEN], timeout=250)
+    wrong = {
+        t: o for t, o in outcomes.items() if o.status != "failed" or "NotImplementedError" not in o.message
+    }
+    assert not wrong, "tests that did not fail with NotImplementedError:\n" + describe(wrong)
+    hidden, public = split_outcomes(outcomes)
+    assert len(hidden) >= 15 and len(public) >= 5
+    for test_id, outcome in outcomes.items():
+        assert "did not finish" not in outcome.message and "TODO(task" in outcome.message, test_id
+
+
+def test_a2_stub_keeps_every_signature_and_docstring():
+    solution = public_signatures(A2_SOLUTION / "async_ps.py")
+    assert set(A2_FUNCTIONS) <= set(solution)
+    assert public_signatures(A2_STUB / "async_ps.py") == solution
+    stub = (A2_STUB / "async_ps.py").read_text()
+    for task, name in enumerate(A2_FUNCTIONS, start=1):
+        assert f'raise NotImplementedError("TODO(task {task}): write {name}")' in stub
