@@ -142,6 +142,7 @@ def draw_losses(runs: dict[str, Run], pairs: int):
     for name, run in runs.items():
         per_epoch = np.sum(np.asarray(run.losses, dtype=np.float64), axis=0) / pairs
         ax.plot(range(1, len(per_epoch) + 1), per_epoch, marker="o", label=name)
+    ax.set_xticks(range(1, len(per_epoch) + 1))
     ax.set_xlabel("epoch")
     ax.set_ylabel("mean loss while training")
     ax.set_yscale("log")
