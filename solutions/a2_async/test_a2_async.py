@@ -2,7 +2,7 @@
 
     python -m pytest -q test_a2_async.py
 
-They run your code on the toy data of ``a2_tools.toy_pairs`` and compare it with the
+They run your code on the toy data of ``a2_trace.toy_pairs`` and compare it with the
 single-process loop, computed here: one parameter-server worker, and one Hogwild rank, must
 give exactly its table (staleness is always 0 with one worker); with several workers the loss
 must come close to its loss. Your module is imported inside the worker processes only, afresh
@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from a2_tools import TOY_CONFIG, hogwild, parameter_server, sequential, toy_pairs
+from a2_trace import TOY_CONFIG, hogwild, parameter_server, sequential, toy_pairs
 
 import minidist as md
 from minidist.glove.trainers.common import split
@@ -32,7 +32,7 @@ def lr_values(comm, cases):
 
 
 def run(function, what: str, *args, **kwargs):
-    """Run a helper of a2_tools; failures become messages that say what to do."""
+    """Run a helper of a2_trace; failures become messages that say what to do."""
     try:
         return function(*args, **kwargs, timeout=TIMEOUT)
     except md.WorkerError as error:

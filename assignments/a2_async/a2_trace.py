@@ -1,4 +1,4 @@
-"""Helpers for the notebook and the public tests: toy data, runs of your code, pictures.
+"""Helpers for the notebook and the public tests: toy data, runs of your code and their traces, pictures.
 
 ``async_ps`` (your file) is imported only inside the worker processes that ``md.launch``
 starts, afresh at every launch: your latest edits are what runs, and an error in it is
