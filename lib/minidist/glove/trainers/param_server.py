@@ -163,9 +163,8 @@ def _worker(comm, order, config, servers, workers, mode, slow_worker, slow_delay
         if epoch not in losses and epoch > 0:
             next(bar_epoch, None)
         first, last = global_batches[batch].start, global_batches[batch].stop
-        mine = order.subset(slice(first, last)).subset(split(last - first, workers, me))
-        if me == slow_worker:
-            time.sleep(slow_delay)  # an injected straggler (a busy or slower machine)
+        # The parts rotate: with backup workers, the part that is dropped is not always the same.
+        mine = order.subset(slice(first, last)).subset(split(last - first, workers, (me + step) % workers))
         rows = torch.cat([mine.rows, mine.cols])
         needed, inverse = torch.unique(rows, return_inverse=True)
         owner = needed % servers
@@ -180,6 +179,8 @@ def _worker(comm, order, config, servers, workers, mode, slow_worker, slow_delay
             versions.append(int(version))
         if mode == "sync" and versions[0] >= total_steps:
             break  # the others finished every step without me (backup workers)
+        if me == slow_worker:
+            time.sleep(slow_delay)  # an injected straggler: a slower machine computes for longer
         grads, batch_loss = pair_gradients(values[inverse], mine.log_x, mine.f_x)
         losses[epoch] = losses.get(epoch, 0.0) + float(batch_loss)
         counts[epoch] = counts.get(epoch, 0) + len(mine)
