@@ -20,6 +20,7 @@ help:
 	@echo "make format     ruff format + autofix"
 	@echo "make release    regenerate assignments/ from solutions/ (instructors)"
 	@echo "make grade      grade the example submissions of a1 into grader-results/ (instructors)"
+	@echo "                (ASSIGNMENT=a2_async: those of a2)"
 
 $(STAMP): pyproject.toml scripts/setup_venv.py
 	$(PYTHON) scripts/setup_venv.py --venv $(VENV)
@@ -54,10 +55,11 @@ release-check: $(STAMP)
 # The instructor's "hello world": grade a handful of example students (correct, partial,
 # wrong, deadlocking, crashing) in sandboxes. GRADE_ARGS="--jobs 2 --force" etc.
 GRADE_ARGS ?= --jobs 2 --test-timeout 10
+ASSIGNMENT ?= a1_collectives
 grade: $(STAMP)
-	rm -rf grader-results/submissions
-	$(PY) -m grader.examples.a1_collectives.make grader-results/submissions
-	$(PY) -m grader grade a1_collectives grader-results/submissions --out grader-results/a1_collectives $(GRADE_ARGS)
+	rm -rf grader-results/submissions-$(ASSIGNMENT)
+	$(PY) -m grader.examples.$(ASSIGNMENT).make grader-results/submissions-$(ASSIGNMENT)
+	$(PY) -m grader grade $(ASSIGNMENT) grader-results/submissions-$(ASSIGNMENT) --out grader-results/$(ASSIGNMENT) $(GRADE_ARGS)
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .

@@ -15,7 +15,7 @@ from .cooccur import Cooccurrence, count, count_parallel
 from .corpus import Vocabulary, load_documents, tokenize
 from .data import GloveData, build, load
 from .evaluate import Quality, analogy_accuracy, evaluate, nearest, similarity_score, spearman
-from .model import DEFAULT_CONFIG, GloveConfig, Pairs, full_loss
+from .model import DEFAULT_CONFIG, GloveConfig, Pairs, full_loss, weighting
 from .trainers import (
     TrainResult,
     train_data_parallel,
@@ -24,6 +24,7 @@ from .trainers import (
     train_param_server,
     train_single,
 )
+from .trainers.common import training_order
 
 __all__ = [
     "Cooccurrence",
@@ -51,4 +52,6 @@ __all__ = [
     "train_model_parallel",
     "train_param_server",
     "train_single",
+    "training_order",
+    "weighting",
 ]

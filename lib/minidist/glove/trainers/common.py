@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm  # plain bars: no ipywidgets needed, and they work in worker processes
 
 from ...comm import CommStats
 from ..model import GloveConfig, Pairs, embeddings

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from tqdm.auto import tqdm
+from tqdm import tqdm  # plain bars: no ipywidgets needed, and they work in worker processes
 
 from ..model import DEFAULT_CONFIG, GloveConfig, Pairs, batch_step, init_gradsq, init_table
 from .common import Clock, TrainResult, batch_slices, training_order
