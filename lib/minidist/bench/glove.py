@@ -118,11 +118,23 @@ def run(
     directory = out_dir(out)
     save_json(directory, "glove", results)
     if plot:
+        from matplotlib.ticker import NullFormatter
+
         fig, ax = new_figure(1, figsize=(8, 5))
-        for key, r in results.items():
+        names = list(dict.fromkeys(r["trainer"] for r in results.values()))
+        for key, r in results.items():  # a colour per trainer; dashed: 1 worker, solid: more
             seconds, losses = zip(*r["history"], strict=True)
-            ax.plot(seconds, losses, "-o", markersize=3, label=key)
-        ax.set(xlabel="wall-clock seconds of training", ylabel="mean loss of the epoch", yscale="log")
+            colour = "black" if r["trainer"] == "single" else f"C{names.index(r['trainer']) % 10}"
+            style = "--" if r["workers"] == 1 and r["trainer"] != "single" else "-"
+            ax.plot(seconds, losses, style, marker="o", markersize=3, color=colour, label=key)
+        ax.set(
+            xlabel="wall-clock seconds of training",
+            ylabel="mean loss of the epoch",
+            xscale="log",
+            yscale="log",
+        )
+        ax.xaxis.set_minor_formatter(NullFormatter())  # the minor labels of a log axis overlap
+        ax.yaxis.set_minor_formatter(NullFormatter())
         ax.set_title(f"GloVe on {corpus!r}: loss vs time, every trainer")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7, ncol=2)
