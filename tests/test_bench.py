@@ -87,7 +87,7 @@ def test_collectives_benchmark_reports_every_algorithm_against_gloo(tmp_path):
 @pytest.mark.slow
 def test_glove_benchmark_reports_every_trainer_against_single(tmp_path):
     out = run_bench("glove", "--corpus", "small", "--epochs", "1", "--workers", "2", out=tmp_path)
-    assert "x single" in out and "WS353" in out and "goals:" in out
+    assert "x single" in out and "WS353" in out and "goals:" in out and "paired runs" in out
     data = json.loads((tmp_path / "glove.json").read_text())
     trainers = {"data-sparse", "data-dense", "model", "ps-sync", "ps-async", "ps-async-stale", "hogwild"}
     assert set(data) == {"single/1"} | {f"{t}/2" for t in trainers}
