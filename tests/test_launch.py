@@ -167,7 +167,11 @@ def _run_python(code: str, timeout: float = 60):
 
 def _start_launcher(world_size: int, pid_dir) -> subprocess.Popen:
     """A separate Python process (like a notebook kernel) launching sleeping workers."""
+    # A Jupyter kernel installs its own SIGINT handler; so does this launcher, because a
+    # process started from a background job (`cmd &` in a script, as some CI runners do)
+    # inherits SIGINT ignored, and Python then never raises KeyboardInterrupt.
     code = (
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         "import minidist as md, workers\n"
         f"md.launch(workers.sleep_and_record_pid, {world_size}, args=({str(pid_dir)!r},), timeout=120)\n"
     )
@@ -211,8 +215,8 @@ def test_keyboard_interrupt_kills_every_worker(tmp_path):
         try:
             _, stderr = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
-            # Seen once in ~20 CI runs, not reproduced since: say what was still alive, and
-            # where the launcher was (faulthandler prints every thread's stack on SIGABRT).
+            # Say what was still alive, and where the launcher was (faulthandler prints every
+            # thread's stack on SIGABRT).
             alive = [pid for pid in pids if not gone(pid)]
             launcher_alive = proc.poll() is None
             proc.send_signal(signal.SIGABRT)
