@@ -30,6 +30,7 @@ GRADER_MODULES = (
     "harness.py",
     "intake.py",
     "plan.py",
+    "points.py",
     "release.py",
     "report.py",
     "sandbox.py",
