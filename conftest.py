@@ -9,6 +9,9 @@ import os
 
 import pytest
 
+# per-notebook execution times at the end of the run, and the 6-minute hang guard
+pytest_plugins = ["tests.plugins.notebook_times"]
+
 SHM_DIR = "/dev/shm"
 
 
