@@ -22,10 +22,12 @@ applying them together or one after the other is the same.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ...collectives import allreduce
-from ...comm import Communicator
+from ...comm import CommStats, Communicator
 from ...launch import launch
 from ..model import DEFAULT_CONFIG, GloveConfig, Pairs, batch_step, init_gradsq, init_table
 from .common import Clock, TrainResult, batch_slices, epochs, total_bytes, training_order
@@ -62,7 +64,21 @@ def schedule(order: Pairs, workers: int, batch_size: int) -> list[torch.Tensor]:
     return out
 
 
-def model_parallel_worker(comm: Communicator, order: Pairs, config: GloveConfig, progress: bool):
+@dataclass(frozen=True)
+class ShardReport:
+    """What a model-parallel worker returns: the rows it owns at the end, and its measurements."""
+
+    owned: torch.Tensor  # table rows: its word shard and (after p passes, again) its context shard
+    table: torch.Tensor  # their final values
+    gradsq: torch.Tensor  # and AdaGrad's G for them
+    history: list[tuple[float, float]]  # per epoch: (seconds, mean loss over all workers)
+    seconds: float
+    stats: CommStats
+
+
+def model_parallel_worker(
+    comm: Communicator, order: Pairs, config: GloveConfig, progress: bool
+) -> ShardReport:
     p, r, V = comm.world_size, comm.rank, order.vocab_size
     table, gradsq = init_table(V, config.dim, config.seed), init_gradsq(V, config.dim)
     grid = blocks(order, p)
@@ -92,7 +108,7 @@ def model_parallel_worker(comm: Communicator, order: Pairs, config: GloveConfig,
     seconds = clock()
     # After p passes each worker holds its own context shard again.
     owned = torch.cat([torch.arange(r, V, p), context_shard(V, p, r)])
-    return owned, table[owned], gradsq[owned], history, seconds, comm.stats
+    return ShardReport(owned, table[owned], gradsq[owned], history, seconds, comm.stats)
 
 
 def train_model_parallel(
@@ -106,7 +122,7 @@ def train_model_parallel(
 ) -> TrainResult:
     """Model parallel over ``workers`` processes (see the module docstring)."""
     order = training_order(pairs, config).share_memory_()
-    outs = launch(
+    reports: list[ShardReport] = launch(
         model_parallel_worker,
         workers,
         args=(order, config, progress),
@@ -116,16 +132,15 @@ def train_model_parallel(
     )
     table = torch.empty(2 * pairs.vocab_size, config.dim + 1)
     gradsq = torch.empty_like(table)
-    for owned, rows, squares, *_ in outs:
-        table[owned], gradsq[owned] = rows, squares
-    history, seconds = outs[0][3], max(out[4] for out in outs)
+    for report in reports:
+        table[report.owned], gradsq[report.owned] = report.table, report.gradsq
     return TrainResult(
         "model parallel",
         table,
         gradsq,
-        history,
+        reports[0].history,  # every worker holds the same history: the loss was allreduced
         len(order) * config.epochs,
-        seconds,
+        max(report.seconds for report in reports),
         workers,
-        total_bytes([out[5] for out in outs]),
+        total_bytes([report.stats for report in reports]),
     )

@@ -31,10 +31,11 @@ all workers at once through an ``Inbox`` (one listener thread per worker).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
-from ...comm import Communicator
+from ...comm import CommStats, Communicator
 from ...launch import launch
 from ...parallel.inbox import Inbox
 from ...parallel.messages import recv_rows, send_rows
@@ -53,6 +54,54 @@ PULL, PUSH, DONE = 0, 1, 2
 MODES = ("sync", "async")
 
 
+@dataclass(frozen=True)
+class ParamServerPlan:
+    """What every process of one parameter-server run is told (``md.launch`` pickles it to each rank)."""
+
+    config: GloveConfig
+    servers: int
+    workers: int
+    mode: str = "async"
+    backup: int = 0  # sync only: a step closes with the first ``workers - backup`` pushes
+    staleness_aware: bool = False  # async only: lr / staleness
+    slow_worker: int | None = (
+        None  # 0-based among workers; sleeps ``slow_delay`` s before each step's compute
+    )
+    slow_delay: float = 0.0
+    progress: bool = False  # worker 0 shows a progress bar
+
+    @property
+    def quorum(self) -> int:
+        """Pushes that close a synchronous step."""
+        return self.workers - self.backup
+
+
+@dataclass(frozen=True)
+class ServerReport:
+    """What a server returns: its rows of the table, and what it saw while serving."""
+
+    owned: torch.Tensor  # the table rows this server held (``x % servers == rank``)
+    table: torch.Tensor  # their final values
+    gradsq: torch.Tensor  # and AdaGrad's G for them
+    staleness: list[int]  # one per applied push
+    dropped: int  # pushes discarded as too late (sync with backup workers)
+    applied_rows: int  # gradient rows applied
+    quorums: list[tuple[int, ...]]  # sync: per step, the workers (0-based) whose pushes it applied
+    seconds: float
+    stats: CommStats
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """What a worker returns: per epoch, when it finished and the loss of the batches it computed."""
+
+    epoch_seconds: dict[int, float]  # epoch -> seconds when this worker finished its last batch of it
+    epoch_loss: dict[int, float]  # epoch -> summed loss of the batches it computed
+    pairs_pushed: int
+    seconds: float
+    stats: CommStats
+
+
 def _read_request(comm: Communicator, src: int, width: int):
     """One request from a worker: (kind, version, rows, grads or None); None for DONE."""
     request = recv_rows(comm, src, torch.int64)
@@ -66,22 +115,19 @@ def _read_request(comm: Communicator, src: int, width: int):
 class Server:
     """One parameter server: rows ``x`` with ``x % servers == rank`` (see the module docstring)."""
 
-    def __init__(self, comm, vocab_size, config, servers, workers, mode, backup, staleness_aware):
-        self.comm, self.config, self.servers = comm, config, servers
-        self.mode, self.staleness_aware = mode, staleness_aware
-        full_table = init_table(
-            vocab_size, config.dim, config.seed
-        )  # every server starts from the same table
-        self.owned = torch.arange(comm.rank, 2 * vocab_size, servers)
+    def __init__(self, comm: Communicator, vocab_size: int, plan: ParamServerPlan):
+        self.comm, self.plan, self.config, self.servers = comm, plan, plan.config, plan.servers
+        full_table = init_table(vocab_size, self.config.dim, self.config.seed)  # every server starts alike
+        self.owned = torch.arange(comm.rank, 2 * vocab_size, plan.servers)
         self.table = full_table[self.owned].clone()
-        self.gradsq = init_gradsq(vocab_size, config.dim)[self.owned].clone()
+        self.gradsq = init_gradsq(vocab_size, self.config.dim)[self.owned].clone()
         self.version = 0
-        self.workers = list(range(servers, servers + workers))
+        self.workers = list(range(plan.servers, plan.servers + plan.workers))
         self.active = set(self.workers)
-        self.quorum = workers - backup
         self.collected: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # sync: worker -> this step's push
         self.waiting: dict[int, tuple[int, torch.Tensor]] = {}  # sync: worker -> pull not yet answered
         self.staleness: list[int] = []
+        self.quorums: list[tuple[int, ...]] = []
         self.dropped = self.applied_rows = 0
 
     def serve(self) -> None:
@@ -97,25 +143,38 @@ class Server:
                     self._pull(src, version, rows)
                 else:
                     self._push(src, version, rows, grads)
-            if self.mode == "sync":
+            if self.plan.mode == "sync":
                 self._maybe_step()
+
+    def report(self, seconds: float) -> ServerReport:
+        return ServerReport(
+            self.owned,
+            self.table,
+            self.gradsq,
+            self.staleness,
+            self.dropped,
+            self.applied_rows,
+            self.quorums,
+            seconds,
+            self.comm.stats,
+        )
 
     def _answer(self, src, rows):
         send_rows(self.comm, self.table[rows // self.servers], src)
         self.comm.send(torch.tensor([self.version]), src)
 
     def _pull(self, src, min_version, rows):
-        if self.mode == "async" or self.version >= min_version:
+        if self.plan.mode == "async" or self.version >= min_version:
             self._answer(src, rows)
         else:
             self.waiting[src] = (min_version, rows)
 
     def _push(self, src, version, rows, grads):
         local = rows // self.servers
-        if self.mode == "async":
+        if self.plan.mode == "async":
             staleness = self.version - version
             self.staleness.append(staleness)
-            lr = self.config.lr / max(1, staleness) if self.staleness_aware else self.config.lr
+            lr = self.config.lr / max(1, staleness) if self.plan.staleness_aware else self.config.lr
             adagrad_update(self.table, self.gradsq, local, grads, lr)
             self.applied_rows += len(rows)
             self.version += 1
@@ -128,12 +187,14 @@ class Server:
         # Workers that can still push for this step: the active ones, and those that
         # pushed and then finished (without the latter a step could close early).
         can_push = len(self.active | self.collected.keys())
-        if self.collected and len(self.collected) >= min(self.quorum, can_push):
-            parts = [self.collected[w] for w in sorted(self.collected)]  # worker order: deterministic
+        if self.collected and len(self.collected) >= min(self.plan.quorum, can_push):
+            quorum = sorted(self.collected)  # worker order: deterministic
+            parts = [self.collected[w] for w in quorum]
             rows, grads = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
             adagrad_update(self.table, self.gradsq, rows, grads, self.config.lr)
             self.staleness += [0] * len(parts)
             self.applied_rows += len(rows)
+            self.quorums.append(tuple(w - self.servers for w in quorum))
             self.collected.clear()
             self.version += 1
         for src, (min_version, rows) in list(self.waiting.items()):
@@ -142,21 +203,21 @@ class Server:
                 self._answer(src, rows)
 
 
-def _worker(comm, order, config, servers, workers, mode, slow_worker, slow_delay, progress):
+def _worker(comm: Communicator, order: Pairs, plan: ParamServerPlan) -> WorkerReport:
     """A worker's loop: pull the rows of my part of a global batch, compute, push.
 
     In sync mode the step is set by the servers' version: a worker that falls behind
     (its push dropped) skips ahead to the step the servers are at.
     """
+    config, servers, workers, mode = plan.config, plan.servers, plan.workers, plan.mode
     me, width = comm.rank - servers, config.dim + 1
     global_batches = list(batch_slices(0, len(order), config.batch_size))
     total_steps = config.epochs * len(global_batches)
     losses: dict[int, float] = {}  # epoch -> summed loss of the batches I computed
-    counts: dict[int, int] = {}  # epoch -> pairs in them
     times: dict[int, float] = {}
     pairs_pushed, step = 0, 0
     clock = Clock()
-    bar = epochs(config.epochs, f"parameter server ({mode})", progress and me == 0)
+    bar = epochs(config.epochs, f"parameter server ({mode})", plan.progress and me == 0)
     bar_epoch = iter(bar)
     while step < total_steps:
         epoch, batch = divmod(step, len(global_batches))
@@ -179,11 +240,10 @@ def _worker(comm, order, config, servers, workers, mode, slow_worker, slow_delay
             versions.append(int(version))
         if mode == "sync" and versions[0] >= total_steps:
             break  # the others finished every step without me (backup workers)
-        if me == slow_worker:
-            time.sleep(slow_delay)  # an injected straggler: a slower machine computes for longer
+        if me == plan.slow_worker:
+            time.sleep(plan.slow_delay)  # an injected straggler: a slower machine computes for longer
         grads, batch_loss = pair_gradients(values[inverse], mine.log_x, mine.f_x)
         losses[epoch] = losses.get(epoch, 0.0) + float(batch_loss)
-        counts[epoch] = counts.get(epoch, 0) + len(mine)
         pairs_pushed += len(mine)
         row_owner = rows % servers
         for s in range(servers):
@@ -194,33 +254,18 @@ def _worker(comm, order, config, servers, workers, mode, slow_worker, slow_delay
         step = max(versions) + 1 if mode == "sync" else step + 1
     for s in range(servers):
         send_rows(comm, torch.tensor([DONE, 0]), s)
-    return {e: (times[e], losses[e], counts[e]) for e in losses}, clock(), pairs_pushed
+    return WorkerReport(times, losses, pairs_pushed, clock(), comm.stats)
 
 
-def param_server_rank(
-    comm, order, config, servers, mode, backup, staleness_aware, slow_worker, slow_delay, progress
-):
-    workers = comm.world_size - servers
+def param_server_rank(comm: Communicator, order: Pairs, plan: ParamServerPlan) -> ServerReport | WorkerReport:
+    """Rank ``comm.rank`` of a parameter-server run: a server below ``plan.servers``, else a worker."""
     comm.barrier()
-    if comm.rank < servers:
-        server = Server(comm, order.vocab_size, config, servers, workers, mode, backup, staleness_aware)
+    if comm.rank < plan.servers:
+        server = Server(comm, order.vocab_size, plan)
         clock = Clock()
         server.serve()
-        return (
-            "server",
-            server.owned,
-            server.table,
-            server.gradsq,
-            server.staleness,
-            server.dropped,
-            server.applied_rows,
-            clock(),
-            comm.stats,
-        )
-    history, seconds, pushed = _worker(
-        comm, order, config, servers, workers, mode, slow_worker, slow_delay, progress
-    )
-    return "worker", history, seconds, pushed, comm.stats
+        return server.report(clock())
+    return _worker(comm, order, plan)
 
 
 def train_param_server(
@@ -241,8 +286,9 @@ def train_param_server(
     """A parameter server with ``servers`` server and ``workers`` worker processes.
 
     ``slow_worker`` (0-based among workers) sleeps ``slow_delay`` seconds every step.
-    The result's ``extra`` holds ``staleness`` (one value per applied push, all servers)
-    and ``dropped`` (pushes a sync server discarded as too late).
+    The result's ``extra`` holds ``staleness`` (one value per applied push, all servers),
+    ``dropped`` (pushes a sync server discarded as too late), ``servers``, and
+    ``quorums``: per server, per sync step, the workers (0-based) whose gradients it applied.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -250,42 +296,46 @@ def train_param_server(
         raise ValueError(f"backup must be between 0 and workers - 1 = {workers - 1}, got {backup}")
     if backup and mode != "sync":
         raise ValueError("backup workers only make sense with mode='sync'")
+    plan = ParamServerPlan(
+        config, servers, workers, mode, backup, staleness_aware, slow_worker, slow_delay, progress
+    )
     order = training_order(pairs, config).share_memory_()
     outs = launch(
         param_server_rank,
         servers + workers,
-        args=(order, config, servers, mode, backup, staleness_aware, slow_worker, slow_delay, progress),
+        args=(order, plan),
         transport=transport,
         timeout=timeout,
         threads_per_worker=1,
     )
+    server_reports: list[ServerReport] = outs[:servers]
+    worker_reports: list[WorkerReport] = outs[servers:]
     table = torch.empty(2 * pairs.vocab_size, config.dim + 1)
     gradsq = torch.empty_like(table)
-    staleness, dropped, applied_rows = [], 0, 0
-    for _, owned, rows, squares, stale, drop, applied, _, _ in outs[:servers]:
-        table[owned], gradsq[owned] = rows, squares
-        staleness += stale
-        dropped += drop
-        applied_rows += applied
-    worker_outs = outs[servers:]
+    for report in server_reports:
+        table[report.owned], gradsq[report.owned] = report.table, report.gradsq
     # An epoch ends when its last batch is done; its loss sums what every worker computed.
     history = [
         (
-            max(w[1][e][0] for w in worker_outs if e in w[1]),
-            sum(w[1][e][1] for w in worker_outs if e in w[1]) / len(order),
+            max(w.epoch_seconds[e] for w in worker_reports if e in w.epoch_seconds),
+            sum(w.epoch_loss[e] for w in worker_reports if e in w.epoch_loss) / len(order),
         )
         for e in range(config.epochs)
     ]
     details = [mode] + ["staleness-aware"] * staleness_aware + [f"{backup} backup"] * bool(backup)
-    name = f"parameter server ({', '.join(details)})"
     return TrainResult(
-        name,
+        f"parameter server ({', '.join(details)})",
         table,
         gradsq,
         history,
-        applied_rows // 2,  # every pair pushes two rows
-        max(w[2] for w in worker_outs),
+        sum(r.applied_rows for r in server_reports) // 2,  # every pair pushes two rows
+        max(w.seconds for w in worker_reports),
         workers,
-        total_bytes([o[-1] for o in outs]),
-        extra={"staleness": staleness, "dropped": dropped, "servers": servers},
+        total_bytes([r.stats for r in outs]),
+        extra={
+            "staleness": [s for r in server_reports for s in r.staleness],
+            "dropped": sum(r.dropped for r in server_reports),
+            "servers": servers,
+            "quorums": [r.quorums for r in server_reports],
+        },
     )
