@@ -12,7 +12,9 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import scipy.sparse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -87,15 +89,99 @@ def test_collectives_benchmark_reports_every_algorithm_against_gloo(tmp_path):
 @pytest.mark.slow
 def test_glove_benchmark_reports_every_trainer_against_single(tmp_path):
     out = run_bench("glove", "--corpus", "small", "--epochs", "1", "--workers", "2", out=tmp_path)
-    assert "x single" in out and "WS353" in out and "goals:" in out and "paired runs" in out
+    assert "x single" in out and "x base" in out and "WS353" in out and "goals:" in out
+    assert "paired runs" in out
     data = json.loads((tmp_path / "glove.json").read_text())
     trainers = {"data-sparse", "data-dense", "model", "ps-sync", "ps-async", "ps-async-stale", "hogwild"}
-    assert set(data) == {"single/1"} | {f"{t}/2" for t in trainers}
+    paired = data.pop("paired")
+    assert set(data) == {"single/1", "glove-python/2"} | {f"{t}/2" for t in trainers}
     single = data["single/1"]
     for key, row in data.items():
         assert row["pairs_per_second"] > 0 and len(row["history"]) == 1, key
-        # every trainer saw the same pairs once: the epoch losses agree to within a few percent
-        assert row["final_loss"] == pytest.approx(single["final_loss"], rel=0.1), key
+        # every trainer saw the same pairs once: the final models' losses agree within a few percent
+        assert row["end_loss"] == pytest.approx(single["end_loss"], rel=0.1), key
+        if row["trainer"] != "glove-python":  # the loss as visited (glove-python reports none)
+            assert row["final_loss"] == pytest.approx(single["final_loss"], rel=0.1), key
     assert data["data-sparse/2"]["comm_bytes"] < data["data-dense/2"]["comm_bytes"]
     assert data["model/2"]["comm_bytes"] < data["data-sparse/2"]["comm_bytes"]
+    # paired one-epoch runs: 3 rounds of each ratio, all measured
+    assert set(paired) == {"hogwild/2 / single/1", "hogwild/2 / glove-python/2"}
+    assert all(len(ratios) == 3 and all(r > 0 for r in ratios) for ratios in paired.values())
     assert (tmp_path / "glove.png").stat().st_size > 10_000
+
+
+# --- the GloVe benchmark's baseline: glove-python's trainer on our pairs ---------------------
+
+
+@pytest.fixture(scope="module")
+def small_glove():
+    from minidist import glove
+
+    return glove.load("small")
+
+
+def glove_loss(word_vectors, word_biases, rows, cols, counts, x_max=10.0) -> float:
+    """Mean f(X) (w_i . w_j + b_i + b_j - log X)^2 / 2 over the pairs, in float64 numpy (the paper's
+    formula with word and context vectors tied, as glove-python trains them)."""
+    diff = (word_vectors[rows] * word_vectors[cols]).sum(1) + word_biases[rows] + word_biases[cols]
+    diff -= np.log(counts)
+    weight = np.minimum(counts / x_max, 1.0) ** 0.75
+    return float((weight * diff**2).mean() / 2)
+
+
+def test_glove_python_baseline_is_glove_fit_on_exactly_our_pairs(small_glove):
+    from glove import Glove
+
+    from minidist.bench.glove_baseline import BASELINE_LR, cooccurrence_matrix, train_glove_python
+    from minidist.glove import GloveConfig
+
+    cooc, vocab_size = small_glove.cooc, len(small_glove.vocab)
+    # the matrix holds the counted pairs (word ids, counts), every one and only those
+    matrix = cooccurrence_matrix(small_glove.pairs)
+    assert matrix.shape == (vocab_size, vocab_size) and matrix.nnz == len(cooc)
+    np.testing.assert_allclose(matrix.tocsr()[cooc.rows.copy(), cooc.cols.copy()].A1, cooc.counts, rtol=1e-6)
+
+    # the bench's epoch-by-epoch driver is Glove.fit (one thread: deterministic), bit for bit
+    pairs = small_glove.pairs.shuffled(1).subset(slice(0, 20_000))
+    config = GloveConfig(epochs=2, seed=5)
+    ours = train_glove_python(pairs, config, threads=1)
+    reference = Glove(
+        no_components=50,
+        learning_rate=BASELINE_LR,
+        alpha=0.75,
+        max_count=10.0,
+        max_loss=100.0,
+        random_state=5,
+    )
+    reference.fit(cooccurrence_matrix(pairs), epochs=2, no_threads=1)
+    np.testing.assert_array_equal(ours.extra["word_vectors"], reference.word_vectors)
+    np.testing.assert_array_equal(ours.extra["word_biases"], reference.word_biases)
+    # its reported loss is the loss of those vectors and biases on those pairs
+    rows, cols = pairs.rows.numpy().copy(), pairs.cols.numpy() - vocab_size
+    counts = scipy.sparse.csr_matrix((cooc.counts, (cooc.rows, cooc.cols)))[rows, cols].A1
+    expected = glove_loss(reference.word_vectors, reference.word_biases, rows, cols, counts)
+    assert ours.history[-1][1] == pytest.approx(expected, rel=1e-4)
+    assert ours.pairs_trained == 2 * len(pairs) and ours.workers == 1
+
+
+def test_glove_python_baseline_learns_through_the_benchmark(small_glove, tmp_path):
+    """The bench's code path, 2 threads: the loss falls every epoch, far below the loss of its
+    initialisation, and WordSim353 beats every one of 20 random sets of vectors."""
+    from minidist.bench import glove as bench
+    from minidist.glove import similarity_score
+
+    results = bench.run("small", epochs=5, workers=(2,), trainers=("glove-python",), out=tmp_path, plot=False)
+    row = results["glove-python/2"]
+    losses = [loss for _seconds, loss in row["history"]]
+    assert len(losses) == 5 and all(b < a for a, b in zip(losses, losses[1:]))
+    vocab_size, dim = len(small_glove.vocab), 50
+    initial = np.random.default_rng(0).random((vocab_size, dim)) - 0.5
+    cooc = small_glove.cooc
+    untrained = glove_loss(initial / dim, np.zeros(vocab_size), cooc.rows, cooc.cols, cooc.counts)
+    assert row["end_loss"] < untrained / 2
+    random_scores = [
+        similarity_score(np.random.default_rng(seed).standard_normal((vocab_size, dim)), small_glove.vocab)[0]
+        for seed in range(20)
+    ]
+    assert row["wordsim353"] > max(random_scores)
+    assert row["pairs_per_second"] > 0
