@@ -39,12 +39,16 @@ from pathlib import Path
 import pytest
 from tqdm import tqdm
 
-from . import intake, report, sandbox
+from . import guard, intake, report, sandbox, similarity
 from .plan import GradedTest, TestResult
 from .wire import WireError, read_probe, read_record
 
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS = Path(__file__).resolve().parent / "harness.py"
+#: sandbox-side modules every assignment's workers import (copied beside harness.py)
+SHARED_SANDBOX_FILES = ("guard.py", "student_comm.py")
+#: trusted modules whose change changes grades (part of the hash that decides what to regrade)
+TRUSTED_FILES = ("forbidden.py", "similarity.py")
 UID_BASE = 64000  # sandbox user ids: UID_BASE + slot, one per parallel job
 GID = 65534  # nogroup
 
@@ -70,7 +74,8 @@ def select(tests: list[GradedTest], patterns: list[str] | None) -> list[GradedTe
 def config_digest(name: str, args: argparse.Namespace, seed_key: str) -> str:
     """A hash of everything besides the submission that decides a grade."""
     h = hashlib.sha256()
-    for path in sorted((ROOT / "grader" / name).glob("*.py")) + [HARNESS]:
+    shared = [ROOT / "grader" / f for f in SHARED_SANDBOX_FILES + TRUSTED_FILES]
+    for path in sorted((ROOT / "grader" / name).glob("*.py")) + [HARNESS, *shared]:
         h.update(path.name.encode() + path.read_bytes())
     options = {"tests": args.tests, "test_timeout": args.test_timeout, "timeout": args.timeout}
     h.update(json.dumps(options, sort_keys=True).encode() + seed_key.encode())
@@ -103,18 +108,52 @@ class Grader:
             self.slots.put(slot)
         hide = [ROOT / "solutions", ROOT / "grader", ROOT / ".git", out, Path(args.submissions)]
         self.hide = tuple(str(p.resolve()) for p in hide)
+        library = sorted({path for pattern in self.module.SIMILAR_TO for path in ROOT.glob(pattern)})
+        self.library = similarity.library_functions(library, ROOT)
+
+    def similarity(self, submission: intake.Submission) -> similarity.Match:
+        """The closest library function to any function of the submission (for the instructor)."""
+        best = similarity.Match(0.0, "", "")
+        for data in submission.files.values():
+            match = similarity.best_match(data.decode(), self.library, self.module.GIVEN_FUNCTIONS)
+            best = max(best, match, key=lambda m: m.score)
+        return best
 
     def grade(self, submission: intake.Submission) -> report.Graded:
+        graded = self._grade(submission)
+        if not submission.error:
+            match = self.similarity(submission)
+            graded.similarity, graded.similar_to = match.score, match.library
+        return graded
+
+    def _grade(self, submission: intake.Submission) -> report.Graded:
         digest = hashlib.sha256((submission.digest() + self.config).encode()).hexdigest()
         if submission.error:
             return self._all_failed(submission, "invalid_submission", submission.error, digest)
+        if submission.refused:
+            return self._forbidden(self._all_failed(submission, "forbidden", submission.refused, digest))
         slot = self.slots.get()
         try:
-            return self._run(submission, slot, digest)
+            graded = self._run(submission, slot, digest)
         except Exception as error:  # a bug of ours: one submission's problem, not the batch's
             return self._all_failed(submission, "error", f"{type(error).__name__}: {error}", digest)
         finally:
             self.slots.put(slot)
+        refused = next((t.message for t in graded.tests if guard.MARKER in t.message), None)
+        if refused is not None:  # the run time guard caught a forbidden call: the same as at intake
+            line = next(line for line in refused.splitlines() if guard.MARKER in line)
+            refusal = line[line.index(guard.MARKER) :].split(". ")[0]
+            graded.status, graded.reason = "forbidden", f"{refusal[:300]} (refused at run time)"
+            for test in graded.tests:
+                if test.passed:
+                    test.message = "not counted: the submission calls a forbidden function (see the reason)"
+                test.points, test.passed = 0.0, False
+            self._forbidden(graded)
+        return graded
+
+    def _forbidden(self, graded: report.Graded) -> report.Graded:
+        graded.instead = self.module.FORBIDDEN.instead
+        return graded
 
     def _all_failed(self, submission, status: str, reason: str, digest: str) -> report.Graded:
         tests = [
@@ -135,6 +174,8 @@ class Grader:
                 (workdir / name).write_bytes(data)
             for name in self.module.SANDBOX_FILES:
                 shutil.copyfile(ROOT / "grader" / self.name / name, workdir / name)
+            for name in SHARED_SANDBOX_FILES:
+                shutil.copyfile(ROOT / "grader" / name, workdir / name)
             shutil.copyfile(HARNESS, workdir / "harness.py")
             jobs = [t.job.as_json(f"t{index:03d}", self.args.test_timeout) for index, t in enumerate(tests)]
             probe = [Path(name).stem for name in self.module.STUDENT_FILES]
@@ -244,6 +285,9 @@ def main(args: argparse.Namespace) -> int:
     grader = Grader(args.assignment, args, out, seed_key)
     paths = intake.discover(Path(args.submissions))
     submissions = [intake.load(p, grader.module.STUDENT_FILES) for p in paths]
+    for submission in submissions:
+        if not submission.error:
+            intake.check_forbidden(submission, grader.module.FORBIDDEN)
     seen: set[str] = set()
     for submission in submissions:
         if submission.student in seen:
@@ -267,10 +311,15 @@ def main(args: argparse.Namespace) -> int:
             report.write_student(out / graded.student, graded, grader.module.HINTS)
             rows[graded.student] = report.results_json(graded)
             bar.set_postfix_str(f"{graded.student}: {graded.score:g}/{graded.max_score:g} {graded.status}")
-    book = [report.gradebook_row(s.student, rows[s.student], grader.test_names) for s in submissions]
+    book = [
+        report.gradebook_row(
+            s.student, rows[s.student], grader.test_names, report.read_instructor(out / s.student)
+        )
+        for s in submissions
+    ]
     report.write_gradebook(out / "gradebook.csv", book, grader.test_names)
     shutil.rmtree(grader.work_root, ignore_errors=True)
-    print(report.summary_table(book))
+    print(report.summary_table(book, similarity.FLAG_AT))
     print(f"gradebook: {out / 'gradebook.csv'}")
     return 0
 

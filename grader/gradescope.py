@@ -26,7 +26,9 @@ GRADER_MODULES = (
     "__init__.py",
     "__main__.py",
     "grade.py",
+    "forbidden.py",
     "gradescope.py",
+    "guard.py",
     "harness.py",
     "intake.py",
     "plan.py",
@@ -34,6 +36,8 @@ GRADER_MODULES = (
     "release.py",
     "report.py",
     "sandbox.py",
+    "similarity.py",
+    "student_comm.py",
     "wire.py",
 )
 

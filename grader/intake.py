@@ -12,6 +12,9 @@ zip, a member with an absolute path or ``..``, a symlink, more than ``MAX_MEMBER
 from the header), a student file larger than ``MAX_FILE_BYTES``, a missing student file, a
 student file that is not UTF-8 text or has a syntax error (parsed, never run). Nothing is
 extracted to disk: the few files kept are read from the zip into memory.
+
+Refused with the status ``forbidden`` (``check_forbidden``): a student file that uses what the
+assignment forbids -- the library's implementation of the task (``grader/forbidden.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ import stat
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+
+from . import forbidden
 
 MAX_MEMBERS = 1000
 MAX_TOTAL_BYTES = 50 * 2**20
@@ -40,6 +45,7 @@ class Submission:
     source: Path
     files: dict[str, bytes] = field(default_factory=dict)  # student file name -> content
     error: str = ""  # non-empty: invalid, with the reason
+    refused: str = ""  # non-empty: uses something forbidden (file, line, what, why)
 
     def digest(self) -> str:
         """A hash of what is graded (the kept files), for resuming and for the record."""
@@ -48,6 +54,16 @@ class Submission:
             h.update(name.encode() + b"\0" + hashlib.sha256(self.files[name]).digest())
         h.update(self.error.encode())
         return h.hexdigest()
+
+
+def check_forbidden(submission: Submission, rules: forbidden.Rules) -> None:
+    """Set ``submission.refused`` when a student file uses what ``rules`` forbid (never runs it)."""
+    for name, data in sorted(submission.files.items()):
+        if name.endswith(".py"):
+            refusal = forbidden.check(data, rules, filename=name)
+            if refusal is not None:
+                submission.refused = f"{name}, {refusal}"
+                return
 
 
 def discover(folder: Path) -> list[Path]:

@@ -24,6 +24,9 @@ STATUS_HELP = {
     "timeout": "the whole run went over the time limit; tests that had not finished score 0",
     "crashed": "the grading process in the sandbox died; tests without a result score 0",
     "invalid_submission": "the submission could not be graded (see the reason)",
+    "forbidden": (
+        "your code uses the library's implementation of the task, which is not allowed; every test scores 0"
+    ),
     "import_error": "your module could not be imported, so no test could run",
     "error": "the grader itself failed on this submission; tell the instructor",
 }
@@ -41,6 +44,9 @@ class Graded:
     digest: str
     output: str = ""
     notes: list[str] = field(default_factory=list)
+    similarity: float = 0.0  # for the instructor only: closest library function (grader/similarity.py)
+    similar_to: str = ""
+    instead: str = ""  # with status "forbidden": what to use instead
 
     @property
     def score(self) -> float:
@@ -94,10 +100,25 @@ def _top_output(graded: Graded) -> str:
 
 
 def write_student(folder: Path, graded: Graded, hints: dict[str, str]) -> None:
-    """``feedback.md`` first, ``results.json`` last: a results.json means the student is done."""
+    """``feedback.md`` first, ``results.json`` last: a results.json means the student is done.
+
+    ``instructor.json`` (the similarity to the library) is never shown to the student: Gradescope
+    gets ``results.json`` only.
+    """
     folder.mkdir(parents=True, exist_ok=True)
+    instructor = {"similarity": graded.similarity, "similar_to": graded.similar_to}
+    _write_atomic(folder / "instructor.json", json.dumps(instructor) + "\n")
     _write_atomic(folder / "feedback.md", feedback_md(graded, hints))
     _write_atomic(folder / "results.json", json.dumps(results_json(graded), indent=1) + "\n")
+
+
+def read_instructor(folder: Path) -> dict:
+    """What ``write_student`` kept for the instructor (empty when missing)."""
+    try:
+        data = json.loads((folder / "instructor.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def read_student(folder: Path) -> dict | None:
@@ -117,6 +138,8 @@ def feedback_md(graded: Graded, hints: dict[str, str]) -> str:
     ]
     if graded.reason:
         lines += ["", f"Reason: {graded.reason}"]
+    if graded.status == "forbidden" and graded.instead:
+        lines += ["", f"What you may use instead: {graded.instead}."]
     by_function: dict[str, list[TestResult]] = {}
     for test in graded.tests:
         by_function.setdefault(test.function, []).append(test)
@@ -151,8 +174,12 @@ def feedback_md(graded: Graded, hints: dict[str, str]) -> str:
 
 
 def write_gradebook(path: Path, rows: list[dict], test_names: list[str]) -> None:
-    """One row per submission: id, score, max_score, status, reason, then the points per test."""
-    columns = ["id", "score", "max_score", "status", "reason", *test_names]
+    """One row per submission: id, score, max_score, status, reason, similarity, similar_to, points per test.
+
+    ``similarity`` (0..1) and ``similar_to`` are the closest match of the submission's code in the
+    library (``grader/similarity.py``); they are for the instructor and appear nowhere a student sees.
+    """
+    columns = ["id", "score", "max_score", "status", "reason", "similarity", "similar_to", *test_names]
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=columns, extrasaction="ignore")
@@ -162,8 +189,8 @@ def write_gradebook(path: Path, rows: list[dict], test_names: list[str]) -> None
     os.replace(tmp, path)
 
 
-def gradebook_row(student: str, results: dict, test_names: list[str]) -> dict:
-    extra = results.get("extra_data", {})
+def gradebook_row(student: str, results: dict, test_names: list[str], instructor: dict | None = None) -> dict:
+    extra, instructor = results.get("extra_data", {}), instructor or {}
     scores = {t.get("name"): t.get("score", 0) for t in results.get("tests", [])}
     row = {
         "id": student,
@@ -171,17 +198,26 @@ def gradebook_row(student: str, results: dict, test_names: list[str]) -> dict:
         "max_score": f"{results.get('max_score', 0):g}",
         "status": extra.get("status", ""),
         "reason": extra.get("reason", "")[:200],
+        "similarity": f"{instructor.get('similarity', 0):g}",
+        "similar_to": instructor.get("similar_to", ""),
     }
     for name in test_names:
         row[name] = f"{scores.get(name, 0):g}"
     return row
 
 
-def summary_table(rows: list[dict]) -> str:
+def summary_table(rows: list[dict], flag_at: float = 1.01) -> str:
+    """The batch at a glance, and the submissions whose similarity to the library is ``>= flag_at``."""
     width = max([len(r["id"]) for r in rows] + [7])
     lines = [f"{'student':<{width}}  {'score':>13}  status", "-" * (width + 32)]
+    flagged = []
     for row in rows:
         score = f"{row['score']} / {row['max_score']}"
         reason = f" ({row['reason'][:60]})" if row["reason"] else ""
         lines.append(f"{row['id']:<{width}}  {score:>13}  {row['status']}{reason}")
+        if float(row.get("similarity") or 0) >= flag_at:
+            flagged.append(f"  {row['id']}: similarity {row['similarity']} to {row['similar_to']}")
+    if flagged:
+        lines += ["", f"flagged for review (code this close to the library's, similarity >= {flag_at:g}):"]
+        lines += flagged
     return "\n".join(lines)

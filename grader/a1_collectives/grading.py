@@ -18,14 +18,18 @@ from __future__ import annotations
 
 import re
 
+from grader.forbidden import Rules
 from grader.plan import GradedTest, Job
 
-from . import STUDENT_FILES
+from . import STUDENT_FILES, rules
 from . import test_hidden as hidden
 
 __all__ = [
     "STUDENT_FILES",
     "SANDBOX_FILES",
+    "FORBIDDEN",
+    "SIMILAR_TO",
+    "GIVEN_FUNCTIONS",
     "graded_tests",
     "failure_message",
     "import_failure",
@@ -33,8 +37,14 @@ __all__ = [
     "HINTS",
 ]
 
-#: files of this folder the sandbox needs (the code the worker processes run); never test_hidden.py
-SANDBOX_FILES = ("workers.py",)
+#: files of this folder the sandbox needs (workers, and the rules their guard enforces); never test_hidden.py
+SANDBOX_FILES = ("workers.py", "rules.py")
+#: what a submission may not use (``rules.py``): refused at intake and, in the sandbox, at run time
+FORBIDDEN = Rules.of(rules)
+#: the library files a submission is compared with (``grader/similarity.py``), relative to the root
+SIMILAR_TO = ("lib/minidist/collectives/*.py",)
+#: functions the stub gives (every submission has them): not compared
+GIVEN_FUNCTIONS = ("chunk_offsets", "exchange")
 WORKERS_MODULE = "workers"
 
 HINTS = {

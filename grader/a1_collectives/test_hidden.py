@@ -2,9 +2,15 @@
 
 They test what the public tests test, and more: 1 to 8 ranks, empty / single-element /
 fewer-elements-than-ranks / not-divisible / large tensors, float64, int64 and bfloat16,
-non-contiguous inputs, the "pipe" and "torch" transports, and a budget of bytes and
-messages per rank read from ``comm.stats`` around each call: a "ring" allreduce that gathers
-everything on rank 0 and broadcasts the sum is correct, and fails the budget.
+non-contiguous inputs, the "pipe" and "torch" transports, and the bytes and messages of every
+rank, which must *equal* what the algorithm sends (within the rounding of the chunks): a
+"ring" allreduce that gathers everything on rank 0 and broadcasts the sum is correct, and
+fails the budget; so does one that moves fewer bytes than a ring (through shared memory).
+
+The student's code gets a ``StudentComm`` (``grader/student_comm.py``: point-to-point only,
+traffic counted per peer) in worker processes guarded by ``grader/guard.py`` (the library's and
+torch's collectives refused, ``rules.py``). The budget tests cross-check the counters: what
+rank i sent to j must be what j received from i, and what the transport underneath moved.
 
 The folder holding the student's ``collectives.py`` must be on PYTHONPATH; it is imported
 only in the worker processes (see ``workers.py``). Every test carries ``points(n)``
@@ -222,16 +228,136 @@ def nbytes_of(case: dict) -> tuple[int, int]:
     return numel, numel * torch.empty(0, dtype=workers.DTYPES[case.get("dtype", "float32")]).element_size()
 
 
-def check_budget(function: str, p: int, case: dict, rank: int, stats: dict, limits: dict, why: str) -> None:
-    """Every ``stats[key]`` must be <= ``limits[key]``; ``why`` explains the limits."""
-    for key, limit in limits.items():
-        if stats[key] > limit:
-            numel, nbytes = nbytes_of(case)
+TRAFFIC_KEYS = ("sent_bytes", "sent_messages", "received_bytes", "received_messages")
+
+
+def traffic_of(function: str, p: int, report: dict) -> dict:
+    """A rank's per-peer traffic from its report, checked for shape (it comes from the sandbox)."""
+    traffic = report.get("traffic") if isinstance(report, dict) else None
+    if not isinstance(traffic, dict) or not all(
+        isinstance(traffic.get(key), list)
+        and len(traffic[key]) == p
+        and all(isinstance(v, int) and v >= 0 for v in traffic[key])
+        for key in TRAFFIC_KEYS
+    ):
+        pytest.fail(f"{function}: a report without per-peer traffic counts", pytrace=False)
+    return traffic
+
+
+def totals(traffic: dict) -> dict:
+    """``bytes_sent``, ``messages_sent``, ``bytes_received``, ``messages_received`` of one rank."""
+    return {
+        "bytes_sent": sum(traffic["sent_bytes"]),
+        "messages_sent": sum(traffic["sent_messages"]),
+        "bytes_received": sum(traffic["received_bytes"]),
+        "messages_received": sum(traffic["received_messages"]),
+    }
+
+
+def check_pairs(function: str, p: int, case: dict, traffics: list[dict]) -> None:
+    """What rank i sent to rank j must be what j received from i; the library must agree.
+
+    Each rank counts its own traffic, so one rank's counters alone prove nothing; the
+    counters of two ranks that disagree mean the counting was tampered with. The library's
+    own byte counters under the wrapper must match too (bytes sent around the wrapper).
+    """
+    for i in range(p):
+        for j in range(p):
+            for unit in ("messages", "bytes"):
+                sent, received = traffics[i][f"sent_{unit}"][j], traffics[j][f"received_{unit}"][i]
+                if sent != received:
+                    pytest.fail(
+                        f"{function} on {p} ranks, {describe(case)}: rank {i} counted {sent} {unit} sent to "
+                        f"rank {j}, which counted {received} {unit} received from rank {i}: the traffic "
+                        "counters were changed by the submission",
+                        pytrace=False,
+                    )
+    for rank, traffic in enumerate(traffics):
+        library, counted = (
+            traffic.get("library_bytes"),
+            [
+                sum(traffic["sent_bytes"]),
+                sum(traffic["received_bytes"]),
+            ],
+        )
+        if library != counted:
             pytest.fail(
-                f"{function} on {p} ranks, {describe(case)} ({numel} elements, {nbytes} bytes): rank {rank}: "
-                f"{key.replace('_', ' ')} = {stats[key]}, over the budget of {limit}. {why}",
+                f"{function} on {p} ranks, {describe(case)}: rank {rank}: the transport moved {library} "
+                f"bytes "
+                f"(sent, received), the communicator your code was given counted {counted}: "
+                "messages went around it",
                 pytrace=False,
             )
+
+
+def check_exact(function: str, p: int, case: dict, rank: int, stats: dict, expected: dict, why: str) -> None:
+    """Every ``stats[key]`` must equal ``expected[key]``: an int, or an inclusive (low, high) range."""
+    for key, want in expected.items():
+        low, high = want if isinstance(want, tuple) else (want, want)
+        got = stats[key]
+        if low <= got <= high:
+            continue
+        numel, nbytes = nbytes_of(case)
+        budget = f"{low}" if low == high else f"{low} to {high}"
+        where = "over the budget of" if got > high else "under the exact count of"
+        more = "" if got > high else " (data that did not go through comm.send/isend?)"
+        pytest.fail(
+            f"{function} on {p} ranks, {describe(case)} ({numel} elements, {nbytes} bytes): rank {rank}: "
+            f"{key.replace('_', ' ')} = {got}, {where} {budget}{more}. {why}",
+            pytrace=False,
+        )
+
+
+def check_budgets(function: str, p: int, cases: list[dict], outs: list, expected_of, why: str) -> None:
+    """For each case: the pair cross-check, then each rank's totals against ``expected_of(case, rank)``.
+
+    ``expected_of`` may also return ``"total_bytes"``: the sum of ``bytes_sent`` over all ranks.
+    """
+    for index, case in enumerate(cases):
+        traffics = [traffic_of(function, p, reports[index]) for reports in outs]
+        check_pairs(function, p, case, traffics)
+        total = sum(totals(t)["bytes_sent"] for t in traffics)
+        for rank, traffic in enumerate(traffics):
+            expected = dict(expected_of(case, rank))
+            expected_total = expected.pop("total_bytes", None)
+            check_exact(function, p, case, rank, totals(traffic), expected, why)
+            if expected_total is not None and total != expected_total:
+                pytest.fail(
+                    f"{function} on {p} ranks, {describe(case)}: {total} bytes sent by all ranks together, "
+                    f"exactly {expected_total} expected. {why}",
+                    pytrace=False,
+                )
+
+
+def check_ring_neighbours(function: str, p: int, cases: list[dict], outs: list) -> None:
+    """In a ring every rank sends only to its right neighbour and receives only from its left one."""
+    for index, case in enumerate(cases):
+        for rank, reports in enumerate(outs):
+            traffic = traffic_of(function, p, reports[index])
+            right, left = (rank + 1) % p, (rank - 1) % p
+            strays = [j for j in range(p) if j != right and traffic["sent_messages"][j]]
+            strays += [j for j in range(p) if j != left and traffic["received_messages"][j]]
+            if strays:
+                pytest.fail(
+                    f"{function} on {p} ranks, {describe(case)}: rank {rank} exchanged messages with rank "
+                    f"{strays[0]}; in a ring rank {rank} sends only to {right} and receives only from {left}",
+                    pytrace=False,
+                )
+
+
+def chunk_range(numel: int, parts: int, chunks: int, itemsize: int) -> tuple[int, int]:
+    """Bytes of ``chunks`` chunks of a ``numel``-element tensor cut into ``parts`` near-equal chunks."""
+    return chunks * (numel // parts) * itemsize, chunks * math.ceil(numel / parts) * itemsize
+
+
+def binomial_tree_sends(p: int, vrank: int) -> int:
+    """Messages rank ``vrank`` (numbered from the source) sends in the doubling binomial tree."""
+    sends, distance = 0, 1
+    while distance < p:
+        if vrank < distance and vrank + distance < p:
+            sends += 1
+        distance *= 2
+    return sends
 
 
 # --- task 1: tree_broadcast ------------------------------------------------------------------
@@ -250,29 +376,27 @@ def test_tree_broadcast_sends_along_a_binomial_tree(world_size):
 
 
 def check_tree_broadcast_budget(world_size: int, cases: list[dict], outs: list) -> None:
-    rounds = math.ceil(math.log2(world_size))
+    p = world_size
+    rounds = math.ceil(math.log2(p))
     why = (
-        f"A binomial tree takes ceil(log2 p) = {rounds} rounds: the source sends {rounds} messages, "
-        "every other rank receives exactly one, and nobody receives more than the tensor."
+        f"The binomial tree of the docstring takes ceil(log2 p) = {rounds} rounds; in round k the ranks "
+        "with vrank < 2**k send to vrank + 2**k: the source sends one message per round, every other rank "
+        "receives exactly one, and p - 1 messages travel in all."
     )
-    for index, case in enumerate(cases):
-        _, nbytes = nbytes_of(case)
-        for rank, reports in enumerate(outs):
-            stats = reports[index]["stats"]
-            is_src = rank == case["src"]
-            limits = {
-                "messages_sent": rounds,
-                "bytes_sent": rounds * nbytes,
-                "messages_received": 0 if is_src else 1,
-                "bytes_received": 0 if is_src else nbytes,
-            }
-            check_budget("tree_broadcast", world_size, case, rank, stats, limits, why)
-        total = sum(reports[index]["stats"]["messages_sent"] for reports in outs)
-        if total != world_size - 1:
-            pytest.fail(
-                f"tree_broadcast on {world_size} ranks: {total} messages in all; a tree sends exactly p - 1",
-                pytrace=False,
-            )
+
+    def expected(case: dict, rank: int) -> dict:
+        nbytes = nbytes_of(case)[1]
+        sends = binomial_tree_sends(p, (rank - case["src"]) % p)
+        received = 0 if rank == case["src"] else 1
+        return {
+            "bytes_sent": sends * nbytes,
+            "bytes_received": received * nbytes,
+            "messages_sent": sends,
+            "messages_received": received,
+            "total_bytes": (p - 1) * nbytes,
+        }
+
+    check_budgets("tree_broadcast", p, cases, outs, expected, why)
 
 
 # --- task 2: ring_allgather ------------------------------------------------------------------
@@ -292,12 +416,16 @@ def test_ring_allgather_budget(world_size):
 
 def check_ring_allgather_budget(world_size: int, cases: list[dict], outs: list) -> None:
     p = world_size
-    for index, case in enumerate(cases):
-        _, nbytes = nbytes_of(case)
-        limit = {"bytes_sent": (p - 1) * nbytes, "messages_sent": p - 1, "bytes_received": (p - 1) * nbytes}
-        why = "In a ring allgather every rank sends (p - 1) tensors of n bytes, one per step."
-        for rank, reports in enumerate(outs):
-            check_budget("ring_allgather", p, case, rank, reports[index]["stats"], limit, why)
+    why = "In a ring allgather every rank sends (p - 1) tensors of n bytes to its right neighbour."
+
+    def expected(case: dict, rank: int) -> dict:
+        nbytes = nbytes_of(case)[1]
+        each = {"bytes_sent": (p - 1) * nbytes, "messages_sent": p - 1}
+        each.update(bytes_received=(p - 1) * nbytes, messages_received=p - 1)
+        return each
+
+    check_budgets("ring_allgather", p, cases, outs, expected, why)
+    check_ring_neighbours("ring_allgather", p, cases, outs)
 
 
 @pytest.mark.points(1)
@@ -328,7 +456,8 @@ def check_rejects(world_size: int, shape: tuple[int, ...], outs: list) -> None:
             pytest.fail(
                 f"{where}: expected a ValueError (dim 0 is not a multiple of {world_size})", pytrace=False
             )
-        if out["stats"]["messages_sent"] or out["stats"]["messages_received"]:
+        stats = totals(traffic_of("ring_reduce_scatter", world_size, out))
+        if stats["messages_sent"] or stats["messages_received"]:
             pytest.fail(
                 f"{where}: raised ValueError only after communicating; check the shape first", pytrace=False
             )
@@ -344,13 +473,16 @@ def test_ring_reduce_scatter_budget(world_size):
 
 def check_ring_reduce_scatter_budget(world_size: int, cases: list[dict], outs: list) -> None:
     p = world_size
-    for index, case in enumerate(cases):
-        _, nbytes = nbytes_of(case)
-        block = nbytes // p
-        limit = {"bytes_sent": (p - 1) * block, "messages_sent": p - 1, "bytes_received": (p - 1) * block}
-        why = "In a ring reduce-scatter every rank sends p - 1 partial sums of one block (n / p bytes)."
-        for rank, reports in enumerate(outs):
-            check_budget("ring_reduce_scatter", p, case, rank, reports[index]["stats"], limit, why)
+    why = "In a ring reduce-scatter every rank sends p - 1 partial sums of one block (n / p bytes)."
+
+    def expected(case: dict, rank: int) -> dict:
+        block = nbytes_of(case)[1] // p
+        each = {"bytes_sent": (p - 1) * block, "messages_sent": p - 1}
+        each.update(bytes_received=(p - 1) * block, messages_received=p - 1)
+        return each
+
+    check_budgets("ring_reduce_scatter", p, cases, outs, expected, why)
+    check_ring_neighbours("ring_reduce_scatter", p, cases, outs)
 
 
 @pytest.mark.points(1)
@@ -382,21 +514,22 @@ def test_ring_allreduce_budget(world_size):
 
 def check_ring_allreduce_budget(world_size: int, cases: list[dict], outs: list) -> None:
     p = world_size
-    for index, case in enumerate(cases):
+    why = (
+        "A ring allreduce sends 2 (p - 1) chunks of about n / p bytes per rank to its right neighbour "
+        "(reduce-scatter, then allgather): 2 (p - 1) / p * n in all, up to the rounding of the chunks. "
+        "Gathering everything on one rank and broadcasting the sum gives the right answer, but it is "
+        "not a ring: that rank sends far more."
+    )
+
+    def expected(case: dict, rank: int) -> dict:
         numel, nbytes = nbytes_of(case)
-        chunk_bytes = math.ceil(numel / p) * (nbytes // max(numel, 1))
-        limit = {
-            "bytes_sent": 2 * (p - 1) * chunk_bytes,
-            "bytes_received": 2 * (p - 1) * chunk_bytes,
-            "messages_sent": 2 * (p - 1),
-        }
-        why = (
-            "A ring allreduce sends 2 (p - 1) chunks of n / p bytes per rank (reduce-scatter, then "
-            "allgather): 2 (p - 1) / p * n, up to rounding. Gathering everything on one rank and "
-            "broadcasting the sum gives the right answer, but it is not a ring: that rank sends far more."
-        )
-        for rank, reports in enumerate(outs):
-            check_budget("ring_allreduce", p, case, rank, reports[index]["stats"], limit, why)
+        chunks = chunk_range(numel, p, 2 * (p - 1), nbytes // max(numel, 1))
+        each = {"bytes_sent": chunks, "bytes_received": chunks}
+        each.update(messages_sent=2 * (p - 1), messages_received=2 * (p - 1))
+        return {**each, "total_bytes": 2 * (p - 1) * nbytes}
+
+    check_budgets("ring_allreduce", p, cases, outs, expected, why)
+    check_ring_neighbours("ring_allreduce", p, cases, outs)
 
 
 @pytest.mark.points(2)
@@ -412,22 +545,36 @@ def check_butterfly_allreduce_budget(world_size: int, cases: list[dict], outs: l
     p2 = 1 << (p.bit_length() - 1)
     rem = p - p2
     steps = 2 * int(math.log2(p2))
-    for index, case in enumerate(cases):
+    why = (
+        f"Recursive halving and doubling over p2 = {p2} ranks take 2 log2 p2 = {steps} messages and "
+        "2 (p2 - 1) / p2 * n bytes per rank (up to the rounding of the chunks); of the first "
+        f"2 * (p - p2) = {2 * rem} ranks, the even ones send their n bytes to the next rank and get the "
+        "result back (one message each way), the odd ones take part in the butterfly and have these "
+        "two n-byte messages on top. A ring needs 2 (p - 1) messages."
+    )
+
+    def expected(case: dict, rank: int) -> dict:
         numel, nbytes = nbytes_of(case)
-        chunk_bytes = math.ceil(numel / p2) * (nbytes // max(numel, 1))
-        for rank, reports in enumerate(outs):
-            folded = rank < 2 * rem
-            limit = {
-                "bytes_sent": 2 * (p2 - 1) * chunk_bytes + (nbytes if folded else 0),
-                "bytes_received": 2 * (p2 - 1) * chunk_bytes + (nbytes if folded else 0),
-                "messages_sent": steps + (1 if folded else 0),
+        itemsize = nbytes // max(numel, 1)
+        total = 2 * (p2 - 1) * nbytes + 2 * rem * nbytes
+        if rank < 2 * rem and rank % 2 == 0:  # sits out the butterfly
+            each = {
+                "bytes_sent": nbytes,
+                "bytes_received": nbytes,
+                "messages_sent": 1,
+                "messages_received": 1,
             }
-            why = (
-                f"Recursive halving and doubling over p2 = {p2} ranks take 2 log2 p2 = {steps} messages "
-                "and 2 (p2 - 1) / p2 * n bytes per rank, plus one n-byte message in and out for the "
-                f"first 2 * (p - p2) = {2 * rem} ranks that fold in. A ring needs 2 (p - 1) messages."
-            )
-            check_budget("butterfly_allreduce", p, case, rank, reports[index]["stats"], limit, why)
+            return {**each, "total_bytes": total}
+        fold = nbytes if rank < 2 * rem else 0
+        low, high = chunk_range(numel, p2, 2 * (p2 - 1), itemsize)
+        slack = steps * itemsize  # halves that round differently from chunk_offsets
+        bytes_range = (low - slack + fold, high + slack + fold)
+        messages = steps + (1 if fold else 0)
+        each = {"bytes_sent": bytes_range, "bytes_received": bytes_range}
+        each.update(messages_sent=messages, messages_received=messages)
+        return {**each, "total_bytes": total}
+
+    check_budgets("butterfly_allreduce", p, cases, outs, expected, why)
 
 
 # --- every function on the other transports ----------------------------------------------------

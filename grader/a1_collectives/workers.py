@@ -19,6 +19,14 @@ import importlib
 
 import torch
 
+if __package__:  # under pytest: grader.a1_collectives.workers
+    from .. import guard, student_comm
+    from . import rules
+else:  # in the grading sandbox, where these files are copied side by side
+    import guard
+    import rules
+    import student_comm
+
 DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -54,45 +62,61 @@ def make_input(case: dict, rank: int) -> torch.Tensor:
     return values
 
 
-def _stats_delta(after, before) -> dict:
-    delta = after - before
-    return {
-        "bytes_sent": delta.bytes_sent,
-        "messages_sent": delta.messages_sent,
-        "bytes_received": delta.bytes_received,
-        "messages_received": delta.messages_received,
-    }
+def import_student(comm) -> tuple:
+    """Guard this process, then import ``collectives``; return it and the communicator it gets.
+
+    The guard (``guard.py``) goes in first, so that the library's collectives are refused
+    whatever way the student's module reaches them; the student's code sees a ``StudentComm``
+    (point-to-point only, traffic counted per peer), never the launcher's communicator.
+    """
+    guard.install_rules(rules)
+    return importlib.import_module("collectives"), student_comm.StudentComm(comm)
+
+
+class Meter:
+    """The traffic of one call: per peer (from the StudentComm) and in the library's own counters."""
+
+    def __init__(self, comm, student) -> None:
+        self.comm, self.student = comm, student
+        self.traffic = student_comm.traffic(student)
+        self.library = comm.stats
+
+    def report(self) -> dict:
+        after, library = student_comm.traffic(self.student), self.comm.stats - self.library
+        report = {key: [a - b for a, b in zip(after[key], self.traffic[key])] for key in after}
+        report["library_bytes"] = [library.bytes_sent, library.bytes_received]
+        return report
 
 
 def run_cases(comm, function: str, cases: list[dict]) -> list[dict]:
     """Call ``collectives.<function>`` on each case; report what this rank holds and sent.
 
     Per case: ``result`` (the tensor after an in-place call, else the return value),
-    ``input_after`` (the input after a call that must not modify it), ``stats`` (this rank's
-    traffic during the call), and ``contiguous`` (the layout of the input after the call).
+    ``input_after`` (the input after a call that must not modify it) and ``traffic`` (this
+    rank's messages and bytes to and from every rank during the call, see ``Meter``).
     """
-    collectives = importlib.import_module("collectives")
+    collectives, student = import_student(comm)
     fn = getattr(collectives, function)
     reports = []
     for case in cases:
         x = make_input(case, comm.rank)
-        before = comm.stats
-        returned = fn(comm, x, case["src"]) if function == "tree_broadcast" else fn(comm, x)
-        stats = _stats_delta(comm.stats, before)
+        meter = Meter(comm, student)
+        returned = fn(student, x, case["src"]) if function == "tree_broadcast" else fn(student, x)
+        traffic = meter.report()
         if function in IN_PLACE:
-            reports.append({"result": x, "stats": stats})
+            reports.append({"result": x, "traffic": traffic})
         else:
-            reports.append({"result": returned, "input_after": x, "stats": stats})
+            reports.append({"result": returned, "input_after": x, "traffic": traffic})
     return reports
 
 
 def reduce_scatter_rejects(comm, shape: tuple[int, ...]) -> dict:
     """Call ring_reduce_scatter on a shape it must refuse; report the error and the traffic."""
-    collectives = importlib.import_module("collectives")
-    before = comm.stats
+    collectives, student = import_student(comm)
+    meter = Meter(comm, student)
     error = None
     try:
-        collectives.ring_reduce_scatter(comm, torch.ones(shape))
+        collectives.ring_reduce_scatter(student, torch.ones(shape))
     except ValueError as raised:
         error = f"ValueError: {raised}"
-    return {"error": error, "stats": _stats_delta(comm.stats, before)}
+    return {"error": error, "traffic": meter.report()}

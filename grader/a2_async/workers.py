@@ -32,12 +32,27 @@ from minidist.glove.trainers.common import batch_slices, split
 from minidist.parallel.inbox import Inbox
 from minidist.parallel.messages import recv_rows, send_rows
 
+if __package__:  # under pytest: grader.a2_async.workers
+    from .. import guard, student_comm
+    from . import rules
+else:  # in the grading sandbox, where these files are copied side by side
+    import guard
+    import rules
+    import student_comm
+
 PULL, PUSH, DONE = 0, 1, 2
 STUDENT_MODULE = "async_ps"
 
 
 def student():
+    """The student's module, imported only after the guard refuses the library's trainers."""
+    guard.install_rules(rules)
     return importlib.import_module(STUDENT_MODULE)
+
+
+def wrapped(comm) -> student_comm.StudentComm:
+    """The communicator the student's code gets: point-to-point only (``grader/student_comm.py``)."""
+    return student_comm.StudentComm(comm)
 
 
 # --- inputs ----------------------------------------------------------------------------------
@@ -188,7 +203,7 @@ def parameter_server(comm, data: dict, config: dict, server: str, worker: str) -
     if comm.rank == 0:
         table, gradsq = initial_state(order, config)
         if server == "student":
-            returned = student().run_server(comm, table, gradsq, config)
+            returned = student().run_server(wrapped(comm), table, gradsq, config)
             if not isinstance(returned, (tuple, list)) or len(returned) != 3:
                 raise TypeError(
                     f"run_server returned {type(returned).__name__}, not (table, gradsq, staleness)"
@@ -198,7 +213,7 @@ def parameter_server(comm, data: dict, config: dict, server: str, worker: str) -
         table, gradsq, staleness, log = reference_server(comm, table, gradsq, config)
         return {"table": table, "gradsq": gradsq, "staleness": staleness, "log": log}
     if worker == "student":
-        losses = student().ps_worker(comm, order, config)
+        losses = student().ps_worker(wrapped(comm), order, config)
         return {"losses": [float(loss) for loss in losses]}
     return (lockstep_worker if worker == "lockstep" else reference_worker)(comm, order, config)
 
@@ -224,7 +239,7 @@ def hogwild(comm, data: dict, config: dict) -> dict:
             for key, t in (("table", table), ("gradsq", gradsq))
         ]
         comm.barrier()
-        losses = student().hogwild_worker(comm, order, shared[0], shared[1], config)
+        losses = student().hogwild_worker(wrapped(comm), order, shared[0], shared[1], config)
         comm.barrier()
         result = {"losses": [float(loss) for loss in losses]}
         if comm.rank == 0:

@@ -1,0 +1,267 @@
+"""Intake check: a submission may not call the library's implementation of what it must write.
+
+Each assignment lists, in ``grader/<name>/rules.py``, the modules and qualified names that are
+off limits (a1: ``minidist.collectives`` and ``torch.distributed``'s collectives; a2: the
+parameter-server and Hogwild trainers). ``check(source, rules)`` reads the submission's syntax
+tree -- it never runs it -- and returns the first ``Refusal`` (line, what, why) or None:
+
+* an ``import`` or ``from ... import`` of a forbidden module or name, or of a module no task
+  needs (``REFUSED_IMPORTS``), or of the tools that load or run code behind the reader's back
+  (``importlib``, ``runpy``, ``builtins``, ``gc``, ``inspect``, ``ctypes``, ``marshal``, ...);
+* an attribute chain that resolves, through the file's imports, to a forbidden name
+  (``md.allreduce``, ``minidist.collectives.ring.ring_allgather_``, ``dist.all_reduce``), also as
+  ``getattr(md, "allreduce")`` with a literal name;
+* a string literal that names a forbidden module or name (``"minidist.collectives"``);
+* the builtins that run or look up code dynamically (``exec``, ``eval``, ``compile``,
+  ``__import__``, ``globals``, ``vars``, ``open``, ``breakpoint``), dunder attributes other
+  than ``__name__``/``__doc__``/``__init__`` (``f.__globals__``, ``x.__class__``) and
+  ``sys.modules``/``sys._getframe`` and friends.
+
+It is a filter for the obvious, not a proof: a name built at run time (``getattr(md, "all" +
+"reduce")``) passes it. The run time guard (``guard.py``) refuses those calls inside the
+sandbox, and ``grader/README.md`` says what is left.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from types import ModuleType
+
+#: modules that load, inspect or run code in ways a submission has no use for
+TOOL_MODULES = (
+    "importlib",
+    "imp",
+    "runpy",
+    "builtins",
+    "gc",
+    "inspect",
+    "ctypes",
+    "marshal",
+    "code",
+    "codeop",
+    "pkgutil",
+    "zipimport",
+    "types",
+    # the grader's own sandbox-side modules: the guard, the communicator wrapper, the workers
+    "guard",
+    "student_comm",
+    "workers",
+    "harness",
+    "rules",
+)
+TOOL_BUILTINS = ("exec", "eval", "compile", "__import__", "globals", "vars", "open", "breakpoint")
+SYS_ATTRIBUTES = (
+    "modules",
+    "meta_path",
+    "path_hooks",
+    "path_importer_cache",
+    "settrace",
+    "setprofile",
+    "addaudithook",
+)
+ALLOWED_DUNDERS = ("__name__", "__doc__", "__init__")
+_ALREADY = "already does what this assignment asks you to write"
+
+
+@dataclass(frozen=True)
+class Rules:
+    """An assignment's ``rules.py``: what is forbidden, and what to use instead."""
+
+    modules: tuple[str, ...]
+    names: tuple[str, ...]
+    refused_imports: tuple[str, ...]
+    instead: str
+
+    @classmethod
+    def of(cls, rules: ModuleType) -> Rules:
+        return cls(
+            tuple(rules.FORBIDDEN_MODULES),
+            tuple(rules.FORBIDDEN_NAMES),
+            tuple(rules.REFUSED_IMPORTS),
+            rules.ALLOWED_INSTEAD,
+        )
+
+    def forbidden(self, dotted: str) -> str | None:
+        """The forbidden module or name that ``dotted`` is, or lies inside; None if allowed."""
+        for prefix in (*self.modules, *self.names):
+            if dotted == prefix or dotted.startswith(prefix + "."):
+                return prefix
+        return None
+
+
+@dataclass(frozen=True)
+class Refusal:
+    line: int
+    what: str  # the code refused, e.g. "md.allreduce"
+    why: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.what}: {self.why}"
+
+
+def _within(dotted: str, modules: tuple[str, ...]) -> str | None:
+    for module in modules:
+        if dotted == module or dotted.startswith(module + "."):
+            return module
+    return None
+
+
+class _Checker:
+    def __init__(self, rules: Rules) -> None:
+        self.rules = rules
+        self.aliases: dict[str, str] = {}  # local name -> the dotted name it was imported as
+        self.refusals: list[Refusal] = []
+
+    def refuse(self, node: ast.AST, what: str, why: str) -> None:
+        self.refusals.append(Refusal(getattr(node, "lineno", 0), what, why))
+
+    # --- imports -----------------------------------------------------------------------------
+    def _check_import(self, node: ast.AST, dotted: str) -> None:
+        if hit := self.rules.forbidden(dotted):
+            self.refuse(node, f"import {dotted}", f"{hit} {_ALREADY}")
+        elif hit := _within(dotted, self.rules.refused_imports):
+            self.refuse(node, f"import {dotted}", f"{hit} is not needed here and not allowed")
+        elif hit := _within(dotted, TOOL_MODULES):
+            self.refuse(
+                node, f"import {dotted}", f"{hit} loads or inspects code; a submission may not use it"
+            )
+
+    def import_(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self._check_import(node, alias.name)
+            top = alias.name.split(".")[0]
+            self.aliases[alias.asname or top] = alias.name if alias.asname else top
+
+    def import_from(self, node: ast.ImportFrom) -> None:
+        if node.level:  # the submission is a single module: nothing beside it to import
+            self.refuse(
+                node, "from . import ...", "a submission is one module; relative imports reach outside it"
+            )
+            return
+        module = node.module or ""
+        self._check_import(node, module)
+        for alias in node.names:
+            if alias.name == "*":
+                if any(name.startswith(module + ".") for name in (*self.rules.modules, *self.rules.names)):
+                    self.refuse(
+                        node, f"from {module} import *", "it imports forbidden names; import what you use"
+                    )
+                continue
+            dotted = f"{module}.{alias.name}"
+            self._check_import(node, dotted)
+            self.aliases[alias.asname or alias.name] = dotted
+
+    # --- every other node --------------------------------------------------------------------
+    def _dotted(self, node: ast.AST) -> str | None:
+        """``md.collectives.ring`` -> "minidist.collectives.ring" through the imports; None if unknown."""
+        parts = []
+        while True:
+            if isinstance(node, ast.Attribute):
+                parts.append(node.attr)
+                node = node.value
+            elif _is_literal_getattr(node):
+                parts.append(node.args[1].value)
+                node = node.args[0]
+            elif isinstance(node, ast.Name) and node.id in self.aliases:
+                return ".".join([self.aliases[node.id], *reversed(parts)])
+            else:
+                return None
+
+    def _check_reference(self, node: ast.AST) -> None:
+        dotted = self._dotted(node)
+        if dotted is None:
+            return
+        if hit := self.rules.forbidden(dotted):
+            self.refuse(node, ast.unparse(node), f"{hit} {_ALREADY}")
+        elif hit := _within(dotted, self.rules.refused_imports):
+            self.refuse(node, ast.unparse(node), f"{hit} is not needed here and not allowed")
+        elif dotted.startswith("sys.") and dotted.split(".")[1] in (*SYS_ATTRIBUTES, "_getframe"):
+            self.refuse(node, ast.unparse(node), "it reaches the interpreter's module or frame machinery")
+
+    def attribute(self, node: ast.Attribute) -> None:
+        attr = node.attr
+        if attr.startswith("__") and attr.endswith("__") and attr not in ALLOWED_DUNDERS:
+            self.refuse(node, ast.unparse(node), f"{attr} reaches the interpreter's internals")
+        elif attr.startswith("_") and not _is_own(node.value):
+            self.refuse(node, ast.unparse(node), "a private attribute of an object that is not yours")
+        self._check_reference(node)
+
+    def call(self, node: ast.Call) -> None:
+        if _is_literal_getattr(node):
+            name = node.args[1].value
+            if name.startswith("_") and name not in ALLOWED_DUNDERS:
+                self.refuse(
+                    node, ast.unparse(node)[:80], "a private attribute of an object that is not yours"
+                )
+            self._check_reference(node)
+
+    def name(self, node: ast.Name) -> None:
+        if node.id in (*TOOL_BUILTINS, "__builtins__", "__loader__", "__spec__"):
+            if node.id not in self.aliases:
+                self.refuse(
+                    node, node.id, "it runs or looks up code dynamically; a submission may not use it"
+                )
+        elif node.id in self.aliases and (hit := self.rules.forbidden(self.aliases[node.id])):
+            self.refuse(node, node.id, f"{hit} {_ALREADY}")
+
+    def constant(self, node: ast.Constant) -> None:
+        if isinstance(node.value, str):
+            for name in (*self.rules.modules, *self.rules.names):
+                if name in node.value:
+                    self.refuse(node, repr(node.value)[:60], f"the string names {name}, which is forbidden")
+                    return
+
+
+def _is_literal_getattr(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "getattr"
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+    )
+
+
+def _is_own(node: ast.AST) -> bool:
+    """``self._x`` and ``cls._x``: a class of the submission's own may have private attributes."""
+    return isinstance(node, ast.Name) and node.id in ("self", "cls")
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def check(source: str | bytes, rules: Rules, filename: str = "<submission>") -> Refusal | None:
+    """The first thing in ``source`` that ``rules`` forbid (the lowest line), or None.
+
+    ``source`` must parse (intake checks the syntax first). Docstrings are prose: not checked.
+    """
+    tree = ast.parse(source, filename=filename)
+    checker = _Checker(rules)
+    # imports first, wherever they are, so that every use of an imported name is resolved
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            checker.import_(node)
+        elif isinstance(node, ast.ImportFrom):
+            checker.import_from(node)
+    docstrings = _docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            checker.attribute(node)
+        elif isinstance(node, ast.Call):
+            checker.call(node)
+        elif isinstance(node, ast.Name):
+            checker.name(node)
+        elif isinstance(node, ast.Constant) and id(node) not in docstrings:
+            checker.constant(node)
+    if not checker.refusals:
+        return None
+    return min(checker.refusals, key=lambda refusal: refusal.line)

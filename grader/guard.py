@@ -1,0 +1,162 @@
+"""The run time half of "you may not call the library's implementation of your task".
+
+Copied into the sandbox beside ``harness.py`` and imported by the assignment's worker module;
+``install(rules)`` runs in every worker process *before* the student's module is imported.
+Standalone: the standard library and whatever modules it is told to guard, never ``grader``.
+
+Three locks, because a name can be reached in many ways (``md.allreduce``, an alias,
+``getattr(md, "all" + "reduce")``, ``importlib.import_module(...)``, ``sys.modules[...]``):
+
+1. **the function objects themselves.** Every function defined in a forbidden module (and its
+   classes' methods), and every function a forbidden name points at, gets its ``__code__``
+   replaced by code that raises ``PermissionError`` naming it. Every path to the object --
+   whatever name, alias or lookup leads there -- ends in the refusal.
+2. **imports.** A finder first on ``sys.meta_path`` refuses a forbidden module that is not
+   loaded yet (or was removed from ``sys.modules`` to be loaded afresh).
+3. **the source files.** An audit hook refuses to ``open`` the library's source files of the
+   forbidden modules (to copy their code and ``exec`` it), and to ``exec`` code compiled from them.
+
+The refusal's message starts with ``MARKER``; the grader recognises it in a worker's error
+and gives the submission the status ``forbidden``. What this cannot stop (code in the same
+process can undo anything the process did) is in ``grader/README.md``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import os
+import sys
+import types
+
+MARKER = "forbidden by the grader:"
+_installed: set[str] = set()
+_guarded_files: set[str] = set()
+
+
+def refusal_message(name: str, instead: str) -> str:
+    return (
+        f"{MARKER} {name} is the library's (or torch's) implementation of what this assignment "
+        f"asks you to write. Write it yourself with {instead}."
+    )
+
+
+def _refusing_code(function: types.FunctionType, message: str) -> types.CodeType:
+    """Code for ``function`` that raises ``PermissionError(message)``; same number of free variables."""
+    free = function.__code__.co_freevars
+    cells = "".join(f"    {name} = None\n" for name in free)
+    uses = f"        ({', '.join(free)},)\n" if free else ""
+    source = (
+        "def _outer():\n"
+        f"{cells}"
+        "    def _refused(*args, **kwargs):\n"
+        f"{uses}"
+        f"        raise PermissionError({message!r})\n"
+        "    return _refused\n"
+    )
+    namespace: dict = {}
+    exec(compile(source, "<grader guard>", "exec"), namespace)  # the guard's own code, not the student's
+    code = namespace["_outer"]().__code__
+    return code.replace(co_name=function.__code__.co_name, co_qualname=function.__code__.co_qualname)
+
+
+def _neuter(function: types.FunctionType, name: str, instead: str) -> None:
+    if getattr(function, "__code__", None) is None or function.__code__.co_filename == "<grader guard>":
+        return
+    function.__code__ = _refusing_code(function, refusal_message(name, instead))
+
+
+def _functions_of(module: types.ModuleType):
+    """(qualified name, function) for the functions and methods *defined* in ``module``."""
+    for attribute, value in list(vars(module).items()):
+        if isinstance(value, types.FunctionType) and value.__module__ == module.__name__:
+            yield f"{module.__name__}.{attribute}", value
+        elif isinstance(value, type) and value.__module__ == module.__name__:
+            for method_name, method in list(vars(value).items()):
+                method = getattr(method, "__func__", method)  # staticmethod, classmethod
+                if isinstance(method, types.FunctionType):
+                    yield f"{module.__name__}.{attribute}.{method_name}", method
+
+
+def _is_within(name: str, modules) -> bool:
+    return any(name == m or name.startswith(m + ".") for m in modules)
+
+
+class _RefuseImports(importlib.abc.MetaPathFinder):
+    def __init__(self, modules: tuple[str, ...], instead: str) -> None:
+        self.modules, self.instead = modules, instead
+
+    def find_spec(self, fullname, path, target=None):
+        if _is_within(fullname, self.modules):
+            raise ImportError(refusal_message(fullname, self.instead), name=fullname)
+        return None
+
+
+def _audit(event: str, args: tuple) -> None:
+    if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        try:
+            path = os.path.realpath(os.fsdecode(args[0]))
+        except (TypeError, ValueError):
+            return
+        if path in _guarded_files:
+            raise PermissionError(f"{MARKER} reading {path}, the library's code for this assignment's task")
+    elif event == "exec" and args and isinstance(args[0], types.CodeType):
+        filename = args[0].co_filename
+        if filename in _guarded_files:
+            raise PermissionError(f"{MARKER} running code compiled from {filename}")
+
+
+def _resolve(dotted: str):
+    """The object a dotted name points at (importing its module), or None if there is none."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            value = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attribute in parts[cut:]:
+            value = getattr(value, attribute, None)
+        return value
+    return None
+
+
+def install(modules: tuple[str, ...], names: tuple[str, ...], instead: str) -> None:
+    """Refuse ``modules`` (every function defined in them, and their submodules) and ``names``.
+
+    Idempotent. Loads the forbidden modules that exist first, so that their functions can be
+    neutered where they live; a package's submodules loaded later are refused by the finder.
+    """
+    key = repr((modules, names))
+    if key in _installed:
+        return
+    to_neuter: list[tuple[str, types.FunctionType]] = []
+    for module_name in modules:
+        try:
+            importlib.import_module(module_name)
+        except ImportError:
+            continue
+    for module_name, module in list(sys.modules.items()):
+        if module is not None and _is_within(module_name, modules):
+            to_neuter.extend(_functions_of(module))
+            source = getattr(module, "__file__", None)
+            if source:
+                _guarded_files.add(os.path.realpath(source))
+    for dotted in names:
+        value = _resolve(dotted)
+        value = getattr(value, "__wrapped__", value)  # the real function behind a decorator
+        if isinstance(value, types.FunctionType):
+            to_neuter.append((dotted, value))
+        outer = _resolve(dotted)
+        if isinstance(outer, types.FunctionType) and outer is not value:
+            to_neuter.append((dotted, outer))
+    for name, function in to_neuter:
+        _neuter(function, name, instead)
+    sys.meta_path.insert(0, _RefuseImports(modules, instead))
+    if not _installed:
+        sys.addaudithook(_audit)
+    _installed.add(key)
+
+
+def install_rules(rules) -> None:
+    """``install`` with an assignment's ``rules`` module (``FORBIDDEN_MODULES``, ``FORBIDDEN_NAMES``)."""
+    install(tuple(rules.FORBIDDEN_MODULES), tuple(rules.FORBIDDEN_NAMES), rules.ALLOWED_INSTEAD)
