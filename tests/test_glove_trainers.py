@@ -7,13 +7,16 @@ checked for convergence against its loss, and with one worker for equality.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
 
 from minidist import glove
+from minidist.glove.model import batch_step, init_gradsq, init_table
 from minidist.glove.trainers import model_parallel
-from minidist.glove.trainers.common import training_order
+from minidist.glove.trainers.common import batch_slices, split, training_order
 
 CONFIG = glove.GloveConfig(epochs=2, batch_size=512, seed=3)
 pytestmark = pytest.mark.timeout(180)
@@ -134,6 +137,55 @@ def test_backup_worker_drops_the_straggler(pairs, single):
     assert set(result.extra["staleness"]) == {0}
     assert result.pairs_trained < single.pairs_trained  # the dropped gradients are lost work
     assert glove.full_loss(result.table, pairs) < 1.2 * glove.full_loss(single.table, pairs)
+
+
+def replay_sync_steps(pairs, config, workers, quorums):
+    """One process, one AdaGrad step per synchronous step, on exactly the parts of the
+    workers in that step's quorum: worker w's part of step v is the ((w + v) % W)-th of
+    W nearly equal pieces of global batch v (the parts rotate)."""
+    order = training_order(pairs, config)
+    global_batches = list(batch_slices(0, len(order), config.batch_size))
+    table = init_table(pairs.vocab_size, config.dim, config.seed)
+    gradsq = init_gradsq(pairs.vocab_size, config.dim)
+    for step, quorum in enumerate(quorums):
+        batch = global_batches[step % len(global_batches)]
+        pieces = [split(batch.stop - batch.start, workers, (w + step) % workers) for w in sorted(quorum)]
+        indices = torch.cat([torch.arange(batch.start + p.start, batch.start + p.stop) for p in pieces])
+        batch_step(table, gradsq, order.subset(indices), config.lr)
+    return table, gradsq
+
+
+def test_sync_servers_with_backup_workers_agree_on_every_quorum(pairs):
+    """Two servers, three workers, one backup, a straggler: every step must apply the
+    same workers' gradients on both shards -- a step that one process could take. The
+    straggler's link to server 1 is slow: server 0 often hears from it among the first
+    two, server 1 last, so servers that each took their own first two would disagree."""
+    workers, backup = 3, 1
+    result = glove.train_param_server(
+        pairs, CONFIG, workers=workers, servers=2, mode="sync", backup=backup,
+        slow_worker=2, slow_link_delay=0.005, timeout=120,
+    )  # fmt: skip
+    on_server_0, on_server_1 = result.extra["quorums"]
+    steps = CONFIG.epochs * -(-len(pairs) // CONFIG.batch_size)
+    assert len(on_server_0) == steps
+    assert on_server_1 == on_server_0
+    assert all(len(quorum) == workers - backup for quorum in on_server_0)
+    assert result.extra["dropped"] > 0  # the straggler was left out of some steps
+    table, gradsq = replay_sync_steps(pairs, CONFIG, workers, on_server_0)
+    torch.testing.assert_close(result.table, table, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(result.gradsq, gradsq, atol=1e-5, rtol=1e-4)
+
+
+def test_parameter_server_progress_bar_ends_full(pairs, capfd):
+    """Worker 0's bar counts steps (one per global batch and epoch) and is closed: its
+    last drawing shows every step done, also with backup workers (where a worker skips
+    the steps the others closed without it)."""
+    steps = CONFIG.epochs * -(-len(pairs) // CONFIG.batch_size)
+    for options in ({"workers": 2}, {"workers": 3, "backup": 1, "slow_worker": 0, "slow_delay": 0.005}):
+        glove.train_param_server(pairs, CONFIG, mode="sync", progress=True, timeout=120, **options)
+        drawings = [d for d in re.split(r"[\r\n]", capfd.readouterr().err) if "parameter server (sync)" in d]
+        assert drawings, "no progress bar drawn"
+        assert re.search(rf"100%.*\b{steps}/{steps}\b", drawings[-1]), drawings[-1]
 
 
 def test_parameter_server_rejects_bad_arguments(pairs):

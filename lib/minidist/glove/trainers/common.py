@@ -92,3 +92,16 @@ def epochs(count: int, desc: str, show: bool):
         return range(count)
     tqdm.set_lock(threading.RLock())
     return tqdm(range(count), desc=desc)
+
+
+def step_bar(total: int, desc: str, show: bool) -> tqdm:
+    """A progress bar of ``total`` steps, silent unless ``show``.
+
+    For loops that do not advance one by one (a parameter-server worker may skip
+    steps the others closed without it): move it with ``bar.update(new_step - bar.n)``
+    and ``close()`` it at the end, which draws its final state. The lock is a thread
+    lock, as in ``epochs``.
+    """
+    if show:
+        tqdm.set_lock(threading.RLock())
+    return tqdm(total=total, desc=desc, unit="step", disable=not show)

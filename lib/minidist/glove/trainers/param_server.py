@@ -17,6 +17,21 @@ trainer (each worker a part of each global batch, as in data parallel). With
 step and late ones are dropped (Chen et al., 2016), so one slow worker no longer
 holds everyone back.
 
+*One quorum for all servers.* "The first W - b to arrive" is a race, and with S > 1
+servers each would run its own: server 0 could close step v with workers {1, 2} and
+server 1 with {1, 3} -- a step no single process takes (half of worker 3's gradient,
+half of worker 2's). So server 0 decides and the others follow::
+
+    server 0:  first W - b pushes of step v are from {1, 2}  ->  apply them
+               --- decided(v, {1, 2}) ---> servers 1 .. S-1
+    server s:  waits for decided(v, ...) and for pushes of step v from workers 1 and 2,
+               applies exactly those, drops worker 3's (early or late)
+
+A worker takes part in step v only if *every* server answered its pull at version
+v: values of two versions (server 0 has closed v, server 1 has not applied it yet),
+or of a step past the one whose batch part it asked for (it fell behind), make a
+gradient no step contains, so it pulls again for the newest version instead.
+
 ``mode="async"``: pushes are applied as they arrive and pulls answered at once. A
 gradient computed at version v' and applied at version v has *staleness* v - v';
 the server records it per update. With ``staleness_aware=True`` it is applied with
@@ -24,8 +39,9 @@ learning rate ``lr / max(1, staleness)`` (Zhang et al., 2016, "Staleness-aware
 async-SGD").
 
 Messages: a worker's request is an int64 row list ``[kind, version, *rows]``; a
-push is followed by its gradient rows (``send_rows``). Servers read requests from
-all workers at once through an ``Inbox`` (one listener thread per worker).
+push is followed by its gradient rows (``send_rows``). Server 0's decision is
+``[DECIDED, version, *worker ranks]`` and its end ``[DONE, 0]``. Servers read from
+all their peers at once through an ``Inbox`` (one listener thread per peer).
 """
 
 from __future__ import annotations
@@ -48,9 +64,9 @@ from ..model import (
     init_table,
     pair_gradients,
 )
-from .common import Clock, TrainResult, batch_slices, epochs, split, total_bytes, training_order
+from .common import Clock, TrainResult, batch_slices, split, step_bar, total_bytes, training_order
 
-PULL, PUSH, DONE = 0, 1, 2
+PULL, PUSH, DONE, DECIDED = 0, 1, 2, 3
 MODES = ("sync", "async")
 
 
@@ -68,6 +84,7 @@ class ParamServerPlan:
         None  # 0-based among workers; sleeps ``slow_delay`` s before each step's compute
     )
     slow_delay: float = 0.0
+    slow_link_delay: float = 0.0  # the slow worker also waits this long before each push to servers 1, 2, ...
     progress: bool = False  # worker 0 shows a progress bar
 
     @property
@@ -103,7 +120,10 @@ class WorkerReport:
 
 
 def _read_request(comm: Communicator, src: int, width: int):
-    """One request from a worker: (kind, version, rows, grads or None); None for DONE."""
+    """One message from a worker or from server 0: (kind, version, rows, grads or None); None for DONE.
+
+    For DECIDED, ``rows`` holds the ranks of the workers whose pushes make the step.
+    """
     request = recv_rows(comm, src, torch.int64)
     kind = int(request[0])
     if kind == DONE:
@@ -123,7 +143,11 @@ class Server:
         self.gradsq = init_gradsq(vocab_size, self.config.dim)[self.owned].clone()
         self.version = 0
         self.workers = list(range(plan.servers, plan.servers + plan.workers))
-        self.active = set(self.workers)
+        self.active: set[int] = set()  # peers still sending; filled when serving starts
+        # Sync with several servers: server 0 decides each step's quorum, the others follow it.
+        agree = plan.mode == "sync" and plan.servers > 1
+        self.decides, self.follows = agree and comm.rank == 0, agree and comm.rank > 0
+        self.decided: dict[int, tuple[int, ...]] = {}  # follower: version -> ranks server 0 chose
         self.collected: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # sync: worker -> this step's push
         self.waiting: dict[int, tuple[int, torch.Tensor]] = {}  # sync: worker -> pull not yet answered
         self.staleness: list[int] = []
@@ -132,7 +156,9 @@ class Server:
 
     def serve(self) -> None:
         width = self.config.dim + 1
-        inbox = Inbox(self.comm, self.workers, lambda comm, src: _read_request(comm, src, width))
+        peers = self.workers + [0] * self.follows  # a follower also listens to server 0
+        self.active = set(peers)
+        inbox = Inbox(self.comm, peers, lambda comm, src: _read_request(comm, src, width))
         while self.active:
             src, message = inbox.get(timeout=self.comm.timeout)
             if message is None:
@@ -141,10 +167,33 @@ class Server:
                 kind, version, rows, grads = message
                 if kind == PULL:
                     self._pull(src, version, rows)
-                else:
+                elif kind == PUSH:
                     self._push(src, version, rows, grads)
+                else:
+                    self.decided[version] = tuple(rows.tolist())
             if self.plan.mode == "sync":
                 self._maybe_step()
+        if self.decides:  # every step is decided: the followers may stop once their workers have
+            for follower in range(1, self.servers):
+                send_rows(self.comm, torch.tensor([DONE, 0]), follower)
+        if self.decided or self.collected:
+            raise RuntimeError(
+                f"server {self.comm.rank} stopped at version {self.version} with steps "
+                f"{sorted(self.decided)} decided but not applied (pushes from "
+                f"{sorted(self.collected)} waiting): a protocol bug, please report it"
+            )
+
+    def _step(self, quorum: tuple[int, ...]) -> None:
+        """Close step ``self.version`` with the pushes of the workers in ``quorum``, drop the rest."""
+        parts = [self.collected.pop(w) for w in sorted(quorum)]  # worker order: deterministic
+        self.dropped += len(self.collected)  # pushed in time, but not chosen (followers only)
+        self.collected.clear()
+        rows, grads = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        adagrad_update(self.table, self.gradsq, rows, grads, self.config.lr)
+        self.staleness += [0] * len(parts)
+        self.applied_rows += len(rows)
+        self.quorums.append(tuple(w - self.servers for w in sorted(quorum)))
+        self.version += 1
 
     def report(self, seconds: float) -> ServerReport:
         return ServerReport(
@@ -180,23 +229,29 @@ class Server:
             self.version += 1
         elif version == self.version:
             self.collected[src] = (local, grads)
-        else:  # a straggler's gradient for a step that is already done
+        elif version < self.version:  # a straggler's gradient for a step that is already done
             self.dropped += 1
+        else:
+            raise RuntimeError(
+                f"server {self.comm.rank} at version {self.version} got a push for version {version} "
+                f"from rank {src}: workers push only what a server answered, a protocol bug"
+            )
 
     def _maybe_step(self):
-        # Workers that can still push for this step: the active ones, and those that
-        # pushed and then finished (without the latter a step could close early).
-        can_push = len(self.active | self.collected.keys())
-        if self.collected and len(self.collected) >= min(self.plan.quorum, can_push):
-            quorum = sorted(self.collected)  # worker order: deterministic
-            parts = [self.collected[w] for w in quorum]
-            rows, grads = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-            adagrad_update(self.table, self.gradsq, rows, grads, self.config.lr)
-            self.staleness += [0] * len(parts)
-            self.applied_rows += len(rows)
-            self.quorums.append(tuple(w - self.servers for w in quorum))
-            self.collected.clear()
-            self.version += 1
+        if self.follows:
+            # Apply the steps server 0 decided, as soon as their chosen pushes are here.
+            while self.version in self.decided and self.collected.keys() >= set(self.decided[self.version]):
+                self._step(self.decided.pop(self.version))
+        else:
+            # Workers that can still push for this step: the active ones, and those that
+            # pushed and then finished (without the latter a step could close early).
+            can_push = len(self.active | self.collected.keys())
+            if self.collected and len(self.collected) >= min(self.plan.quorum, can_push):
+                quorum = tuple(sorted(self.collected))
+                if self.decides:  # tell the followers first: they can apply it while we answer pulls
+                    for follower in range(1, self.servers):
+                        send_rows(self.comm, torch.tensor([DECIDED, self.version, *quorum]), follower)
+                self._step(quorum)
         for src, (min_version, rows) in list(self.waiting.items()):
             if self.version >= min_version:
                 del self.waiting[src]
@@ -207,7 +262,8 @@ def _worker(comm: Communicator, order: Pairs, plan: ParamServerPlan) -> WorkerRe
     """A worker's loop: pull the rows of my part of a global batch, compute, push.
 
     In sync mode the step is set by the servers' version: a worker that falls behind
-    (its push dropped) skips ahead to the step the servers are at.
+    (its push dropped) skips ahead to the step the servers are at, and computes only
+    on values every server gave it at the version of the step it computes for.
     """
     config, servers, workers, mode = plan.config, plan.servers, plan.workers, plan.mode
     me, width = comm.rank - servers, config.dim + 1
@@ -217,12 +273,10 @@ def _worker(comm: Communicator, order: Pairs, plan: ParamServerPlan) -> WorkerRe
     times: dict[int, float] = {}
     pairs_pushed, step = 0, 0
     clock = Clock()
-    bar = epochs(config.epochs, f"parameter server ({mode})", plan.progress and me == 0)
-    bar_epoch = iter(bar)
+    bar = step_bar(total_steps, f"parameter server ({mode})", plan.progress and me == 0)
     while step < total_steps:
+        bar.update(step - bar.n)  # may jump: steps the others closed without me
         epoch, batch = divmod(step, len(global_batches))
-        if epoch not in losses and epoch > 0:
-            next(bar_epoch, None)
         first, last = global_batches[batch].start, global_batches[batch].stop
         # The parts rotate: with backup workers, the part that is dropped is not always the same.
         mine = order.subset(slice(first, last)).subset(split(last - first, workers, (me + step) % workers))
@@ -238,8 +292,13 @@ def _worker(comm: Communicator, order: Pairs, plan: ParamServerPlan) -> WorkerRe
             version = torch.empty(1, dtype=torch.int64)
             comm.recv(version, s)
             versions.append(int(version))
-        if mode == "sync" and versions[0] >= total_steps:
+        if mode == "sync" and max(versions) >= total_steps:
             break  # the others finished every step without me (backup workers)
+        if mode == "sync" and max(versions) > step:
+            # I fell behind, or the servers are between two steps (see the module
+            # docstring): these values make no step's gradient. Ask for the newest step.
+            step = max(versions)
+            continue
         if me == plan.slow_worker:
             time.sleep(plan.slow_delay)  # an injected straggler: a slower machine computes for longer
         grads, batch_loss = pair_gradients(values[inverse], mine.log_x, mine.f_x)
@@ -247,11 +306,16 @@ def _worker(comm: Communicator, order: Pairs, plan: ParamServerPlan) -> WorkerRe
         pairs_pushed += len(mine)
         row_owner = rows % servers
         for s in range(servers):
+            if s > 0 and me == plan.slow_worker:
+                time.sleep(plan.slow_link_delay)  # a slow link to the other servers: they hear from me late
             here = row_owner == s
-            send_rows(comm, torch.cat([torch.tensor([PUSH, versions[s]]), rows[here]]), s)
+            pushed_at = step if mode == "sync" else versions[s]  # sync: every server answered at ``step``
+            send_rows(comm, torch.cat([torch.tensor([PUSH, pushed_at]), rows[here]]), s)
             send_rows(comm, grads[here], s)
         times[epoch] = clock()
-        step = max(versions) + 1 if mode == "sync" else step + 1
+        step += 1
+    bar.update(total_steps - bar.n)  # every step is done, by me or by the others
+    bar.close()
     for s in range(servers):
         send_rows(comm, torch.tensor([DONE, 0]), s)
     return WorkerReport(times, losses, pairs_pushed, clock(), comm.stats)
@@ -279,13 +343,16 @@ def train_param_server(
     staleness_aware: bool = False,
     slow_worker: int | None = None,
     slow_delay: float = 0.0,
+    slow_link_delay: float = 0.0,
     transport: str = "pipe",
     timeout: float = 600.0,
     progress: bool = False,
 ) -> TrainResult:
     """A parameter server with ``servers`` server and ``workers`` worker processes.
 
-    ``slow_worker`` (0-based among workers) sleeps ``slow_delay`` seconds every step.
+    ``slow_worker`` (0-based among workers) sleeps ``slow_delay`` seconds every step
+    before computing, and ``slow_link_delay`` seconds before each push to servers 1, 2, ...
+    (a slow link: server 0 may hear from it in time, the others late).
     The result's ``extra`` holds ``staleness`` (one value per applied push, all servers),
     ``dropped`` (pushes a sync server discarded as too late), ``servers``, and
     ``quorums``: per server, per sync step, the workers (0-based) whose gradients it applied.
@@ -297,7 +364,16 @@ def train_param_server(
     if backup and mode != "sync":
         raise ValueError("backup workers only make sense with mode='sync'")
     plan = ParamServerPlan(
-        config, servers, workers, mode, backup, staleness_aware, slow_worker, slow_delay, progress
+        config,
+        servers,
+        workers,
+        mode,
+        backup,
+        staleness_aware,
+        slow_worker,
+        slow_delay,
+        slow_link_delay,
+        progress,
     )
     order = training_order(pairs, config).share_memory_()
     outs = launch(
