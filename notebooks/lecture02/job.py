@@ -1,14 +1,15 @@
 """Lecture 02, section 7: the workers of section 1 as a script that runs anywhere.
 
-python l02_job.py                            # one machine: md.launch starts 4 ranks
-torchrun --nproc-per-node 4 l02_job.py       # torchrun starts 4 ranks, md.launch joins them
+Run it as a module from notebooks/ (so that `lecture02` is importable):
+
+python -m lecture02.job                         # one machine: md.launch starts 4 ranks
+torchrun --nproc-per-node 4 -m lecture02.job    # torchrun starts 4 ranks, md.launch joins them
 """
 
 import os
 
-from l02_api import tour
-
 import minidist as md
+from lecture02.api import tour
 
 if __name__ == "__main__":
     under_torchrun = "WORLD_SIZE" in os.environ  # torchrun sets it (and RANK, MASTER_ADDR, ...)
