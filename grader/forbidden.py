@@ -61,6 +61,7 @@ SYS_ATTRIBUTES = (
     "addaudithook",
 )
 ALLOWED_DUNDERS = ("__name__", "__doc__", "__init__")
+PUBLIC_PRIVATE = ("os._exit",)  # documented functions despite the underscore
 _ALREADY = "already does what this assignment asks you to write"
 
 
@@ -183,7 +184,7 @@ class _Checker:
         attr = node.attr
         if attr.startswith("__") and attr.endswith("__") and attr not in ALLOWED_DUNDERS:
             self.refuse(node, ast.unparse(node), f"{attr} reaches the interpreter's internals")
-        elif attr.startswith("_") and not _is_own(node.value):
+        elif attr.startswith("_") and not _is_own(node.value) and self._dotted(node) not in PUBLIC_PRIVATE:
             self.refuse(node, ast.unparse(node), "a private attribute of an object that is not yours")
         self._check_reference(node)
 
@@ -198,7 +199,11 @@ class _Checker:
 
     def name(self, node: ast.Name) -> None:
         if node.id in (*TOOL_BUILTINS, "__builtins__", "__loader__", "__spec__"):
-            if node.id not in self.aliases:
+            if node.id in self.aliases:  # a name the file imported: not the builtin
+                return
+            if node.id == "open":
+                self.refuse(node, node.id, "a submission has no files to read or write")
+            else:
                 self.refuse(
                     node, node.id, "it runs or looks up code dynamically; a submission may not use it"
                 )

@@ -22,7 +22,7 @@ import psutil
 import pytest
 import torch
 
-from grader import intake, wire
+from grader import forbidden, intake, similarity, wire
 from grader.a1_collectives import STUDENT_FILES
 from grader.examples.a1_collectives import make
 
@@ -32,7 +32,12 @@ with warnings.catch_warnings():  # `points` is registered by grader/a1_collectiv
     from grader.a1_collectives import test_hidden as hidden
 
 ROOT = Path(__file__).resolve().parent.parent
-SUBSET = ["test_tree_broadcast[[]3]", "test_ring_allgather[[]3]", "test_allreduce[[]3-*]"]
+SUBSET = [
+    "test_tree_broadcast[[]3]",
+    "test_ring_allgather[[]3]",
+    "test_allreduce[[]3-*]",
+    "test_ring_allreduce_budget[[]3]",
+]
 SANDBOX_UIDS = range(64000, 64016)
 
 
@@ -133,6 +138,122 @@ def test_intake_counts_bytes_instead_of_trusting_the_zip_header(tmp_path):
     assert "MiB" in intake.load(tmp_path / "mallory.zip", STUDENT_FILES).error
 
 
+# --- what a submission may not use ------------------------------------------------------------
+REFUSED = {  # source -> what the refusal must name
+    "import minidist as md\n\ndef f(comm, t):\n    md.allreduce(comm, t)\n": "md.allreduce",
+    "from minidist import allreduce as a\n": "minidist.allreduce",
+    "from minidist.collectives import ring\n": "minidist.collectives",
+    "import minidist.collectives.ring\n": "minidist.collectives",
+    "import minidist\nx = minidist.collectives.ring.ring_allgather_\n": "minidist.collectives",
+    "import minidist as md\nf = getattr(md, 'broadcast')\n": "minidist.broadcast",
+    "from minidist import *\n": "import *",
+    "import torch.distributed as dist\n": "torch.distributed",
+    "import torch\nf = torch.distributed.all_reduce\n": "torch.distributed.all_reduce",
+    "name = 'minidist.collectives.api'\n": "minidist.collectives",
+    "exec('x = 1')\n": "exec",
+    "f = eval\n": "eval",
+    "__import__('minidist')\n": "__import__",
+    "import importlib\n": "importlib",
+    "from importlib import import_module\n": "importlib",
+    "import gc\n": "gc",
+    "import sys\nm = sys.modules\n": "sys.modules",
+    "def f(comm):\n    return comm._comm.workspace\n": "comm._comm",
+    "def f(g):\n    return g.__globals__\n": "__globals__",
+    "text = open('/etc/passwd').read()\n": "open",
+}
+ALLOWED = [
+    "import os\nos._exit(0)\n",
+    "import torch\nx = torch.zeros(3)\n",
+    "def f(comm, t):\n    comm.send(t, 1)\n    comm.recv(t, 1)\n    comm.barrier()\n    return comm.stats\n",
+    "class Ring:\n    def __init__(self):\n        self._chunks = []\n",
+    '"""Docstrings may say minidist.collectives.ring; they are prose."""\n',
+    "import minidist as md\nf = getattr(md, 'all' + 'reduce')\n",  # built at run time: the guard's job
+]
+
+
+@pytest.mark.parametrize("source", list(REFUSED))
+def test_intake_refuses_the_library_torch_and_dynamic_code(source):
+    refusal = forbidden.check(source, grading.FORBIDDEN)
+    assert refusal is not None and REFUSED[source] in str(refusal), (source, refusal)
+    assert str(refusal).startswith("line ")
+
+
+@pytest.mark.parametrize("source", ALLOWED)
+def test_intake_allows_point_to_point_code(source):
+    assert forbidden.check(source, grading.FORBIDDEN) is None
+
+
+def test_intake_accepts_the_solution_the_stub_and_the_honest_examples():
+    for path in (make.SOLUTION, make.STUB):
+        assert forbidden.check(path.read_bytes(), grading.FORBIDDEN) is None, path
+    for name, content in make.realistic(make.SOLUTION.read_text(), make.STUB.read_text()).items():
+        if isinstance(content, dict):
+            assert forbidden.check(content[make.FILE], grading.FORBIDDEN) is None, name
+
+
+GUARDED = """
+import importlib, sys
+import torch
+import minidist as md
+sys.path.insert(0, sys.argv[1])
+import guard, rules, student_comm
+guard.install_rules(rules)
+attempts = {
+    "md.allreduce": lambda: md.allreduce(None, torch.ones(2)),
+    "alias": lambda: md.collectives.api.broadcast(None, torch.ones(2)),
+    "getattr": lambda: getattr(md, "all" + "gather")(None, torch.ones(2)),
+    "internals": lambda: importlib.import_module("minidist.collectives.ring").ring_allgather_(1, 2, 3),
+    "reimport": lambda: (sys.modules.pop("minidist.collectives.ring"),
+                         importlib.import_module("minidist.collectives.ring")),
+    "source": lambda: open(md.collectives.ring.__file__).read(),
+    "torch": lambda: torch.distributed.all_reduce(torch.ones(2)),
+}
+for name, attempt in attempts.items():
+    try:
+        attempt()
+    except (PermissionError, ImportError) as error:
+        assert guard.MARKER in str(error), (name, error)
+        print("refused", name)
+    else:
+        print("ALLOWED", name)
+print("point-to-point", sorted(n for n in dir(student_comm.StudentComm) if not n.startswith("_")))
+"""
+
+
+def test_the_run_time_guard_refuses_every_way_to_the_library(tmp_path):
+    for name in ("guard.py", "student_comm.py"):
+        (tmp_path / name).write_bytes((ROOT / "grader" / name).read_bytes())
+    (tmp_path / "rules.py").write_bytes((ROOT / "grader" / "a1_collectives" / "rules.py").read_bytes())
+    result = subprocess.run(
+        [sys.executable, "-c", GUARDED, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ALLOWED" not in result.stdout, result.stdout
+    assert result.stdout.count("refused") == 7, result.stdout
+    # the communicator a submission gets: point-to-point, no workspace, no collective
+    methods = ["barrier", "irecv", "isend", "recv", "send", "stats"]
+    assert f"point-to-point {methods}" in result.stdout, result.stdout
+
+
+def test_similarity_flags_a_copy_of_ring_py_and_not_the_solution_or_the_examples():
+    root = ROOT
+    library = similarity.library_functions(sorted(root.glob(grading.SIMILAR_TO[0])), root)
+    copy = similarity.best_match(make.ring_copy(make.SOLUTION.read_text()), library, grading.GIVEN_FUNCTIONS)
+    assert copy.flagged and copy.library.startswith("lib/minidist/collectives/ring.py:"), copy
+    honest = make.realistic(make.SOLUTION.read_text(), make.STUB.read_text())
+    for name, content in honest.items():
+        if isinstance(content, dict):
+            match = similarity.best_match(content[make.FILE].decode(), library, grading.GIVEN_FUNCTIONS)
+            assert not match.flagged, (name, match)
+    # renaming every variable does not hide a copy
+    renamed = make.ring_copy(make.SOLUTION.read_text()).replace("flat", "vector").replace("bounds", "cuts")
+    assert similarity.best_match(renamed, library, grading.GIVEN_FUNCTIONS).flagged
+
+
 # --- the wire format ---------------------------------------------------------------------------
 def test_wire_round_trip_and_refusals(tmp_path):
     values = {
@@ -170,13 +291,14 @@ def test_wire_round_trip_and_refusals(tmp_path):
 
 
 # --- whole batches -----------------------------------------------------------------------------
-REALISTIC = {  # on SUBSET: tree_broadcast[3], ring_allgather[3], allreduce[3-ring], allreduce[3-butterfly]
-    "alice": ("ok", 4),
-    "bob": ("ok", 3),  # no butterfly (the budget tests are not in SUBSET)
+# on SUBSET: tree_broadcast[3], ring_allgather[3], allreduce[3-*] (1 point each), ring budget[3] (2)
+REALISTIC = {
+    "alice": ("ok", 6),
+    "bob": ("ok", 3),  # no butterfly, and a "ring" allreduce over the byte budget
     "carol": ("ok", 0),
     "dave": ("ok", 3),  # the ring allreduce deadlocks
     "erin": ("import_error", 0),
-    "frank": ("ok", 4),
+    "frank": ("ok", 6),
 }
 
 
@@ -189,15 +311,15 @@ def test_a_batch_of_real_and_hostile_submissions(examples, tmp_path):
     out = tmp_path / "out"
     output = grade(examples, out, "--jobs", "2", "--test-timeout", "4", "--timeout", "120", "--seed-key", "k")
     book = gradebook(out)
-    expected = {**REALISTIC, **make.BAD}
+    expected = {**REALISTIC, **make.BAD, **make.CHEATING}
     assert set(book) == set(expected)
     for student, (status, score) in expected.items():
         row = book[student]
         assert float(row["score"]) == score, (student, row)
-        assert row["max_score"] == "4", (student, row)
+        assert row["max_score"] == "6", (student, row)
         if status is not None:
             assert row["status"] == status, (student, row)
-        if status == "invalid_submission":
+        if status in ("invalid_submission", "forbidden"):
             assert row["reason"], student
     assert "alice" in output and "invalid_submission" in output  # the summary table
     assert not sandbox_processes(), "a submission's process outlived its grading"
@@ -215,6 +337,27 @@ def test_a_batch_of_real_and_hostile_submissions(examples, tmp_path):
     flood = json.loads((out / "flood" / "results.json").read_text())
     assert len(flood["output"]) < 10_000 and "the last 1500 characters" in flood["output"]
     assert "could read" not in (out / "snoop" / "feedback.md").read_text()
+
+    # cheating: refused at intake (the line named) or at run time, with what to use instead
+    assert (
+        "line " in book["library_call"]["reason"] and "minidist.allreduce" in book["library_call"]["reason"]
+    )
+    assert "refused at run time" in book["obfuscated_call"]["reason"]
+    assert "torch.distributed" in book["torch_call"]["reason"]
+    feedback = (out / "obfuscated_call" / "feedback.md").read_text()
+    assert "What you may use instead: comm.send" in feedback
+    forged = json.loads((out / "forged_stats" / "results.json").read_text())
+    budget = next(t for t in forged["tests"] if t["name"] == "test_ring_allreduce_budget[3]")
+    assert budget["status"] == "failed" and "over the budget" in budget["output"], budget
+    # the copy of ring.py is graded normally, flagged for the instructor only
+    assert float(book["ring_copy"]["similarity"]) >= similarity.FLAG_AT > float(book["alice"]["similarity"])
+    assert book["ring_copy"]["similar_to"].startswith("lib/minidist/collectives/ring.py:")
+    assert "flagged for review" in output and "ring_copy: similarity" in output
+    assert "alice: similarity" not in output
+    copy_results = (out / "ring_copy" / "results.json").read_text() + (
+        out / "ring_copy" / "feedback.md"
+    ).read_text()
+    assert "similar" not in copy_results
 
     # re-running reuses every finished submission and writes the same gradebook
     before = (out / "gradebook.csv").read_bytes()
@@ -243,7 +386,7 @@ def test_regrading_is_deterministic_and_an_interrupted_run_resumes(tmp_path):
     # a changed submission is graded again
     (submissions / "bob" / "collectives.py").write_text(make.SOLUTION.read_text())
     grade(submissions, first, "--jobs", "2", "--seed-key", "same")
-    assert gradebook(first)["bob"]["score"] == "4"
+    assert gradebook(first)["bob"]["score"] == "6"
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from grader import similarity
 from grader.examples.a2_async import make
 
 with warnings.catch_warnings():  # `points` is registered by grader/a2_async/conftest.py only
@@ -80,7 +81,8 @@ def test_feedback_never_shows_expected_values():
 def test_the_solution_scores_full_marks_the_stub_zero_and_the_examples_their_scores(tmp_path):
     submissions = tmp_path / "subs"
     examples = make.build_dict()
-    make.write(submissions, {name: examples[name] for name in ("alice", "carol", "erin")})
+    students = ("alice", "carol", "erin", "library_trainer", "hidden_trainer")
+    make.write(submissions, {name: examples[name] for name in students})
     (submissions / "stub").mkdir()
     (submissions / "stub" / make.FILE).write_bytes(make.STUB.read_bytes())
     out = tmp_path / "out"
@@ -92,11 +94,17 @@ def test_the_solution_scores_full_marks_the_stub_zero_and_the_examples_their_sco
     stub = json.loads((out / "stub" / "results.json").read_text())
     assert len(stub["tests"]) == len(grading.graded_tests(0))
     assert all("NotImplementedError" in t["output"] and "TODO(task" in t["output"] for t in stub["tests"])
-    for student in ("carol", "erin"):
+    for student in students[1:]:
         status, score = make.EXPECTED[student]
         assert (book[student]["status"], float(book[student]["score"])) == (status, score), book[student]
     feedback = (out / "carol" / "feedback.md").read_text()
     assert "which is wrong" in feedback and "def test_" not in feedback
+    # the library's trainer: refused at intake (import named), or at run time (a name built then)
+    assert "minidist.glove.trainers.hogwild" in book["library_trainer"]["reason"]
+    assert "refused at run time" in book["hidden_trainer"]["reason"]
+    assert "hogwild" in book["hidden_trainer"]["reason"]
+    assert "What you may use instead" in (out / "hidden_trainer" / "feedback.md").read_text()
+    assert float(book["alice"]["similarity"]) < similarity.FLAG_AT
 
     # a deadlock costs one test timeout per test it hangs, and only those tests' points
     dave = tmp_path / "dave"

@@ -10,9 +10,21 @@ names the function, the number of ranks, the rank, the input shape and the first
 that differs.
 
 Your module is imported inside the worker processes, afresh at every launch, so an error
-in it is reported as a test failure, and your latest edits are always what runs. The
-grader runs more tests than these: more ranks, other dtypes, non-contiguous tensors, the
-other transports, large tensors, and a budget of bytes and messages per rank.
+in it is reported as a test failure, and your latest edits are always what runs.
+
+Two kinds of tests check more than the values, because the grader does too:
+
+* **the budget**: each rank's bytes and messages, read from ``comm.stats`` around the call,
+  must *equal* what the algorithm of the docstring sends (a ring allreduce: exactly 2 (p - 1)
+  messages of n / p bytes). An algorithm that gets the right values with other traffic (all
+  to rank 0, say) fails them.
+* **a non-contiguous input** (a transposed matrix): ``send``/``recv`` work on whole tensors,
+  so a view that is not one block of memory needs care.
+
+The grader runs more of both, and more ranks, other dtypes, the other transports and large
+tensors. It also refuses code that calls the library's collectives (``md.allreduce`` and
+friends, ``minidist.collectives``) or ``torch.distributed``'s: write them with ``comm.send``,
+``comm.recv``, ``comm.isend``, ``comm.irecv`` and the helpers in ``collectives.py``.
 """
 
 from __future__ import annotations
@@ -68,6 +80,20 @@ def reduce_scatter_errors(comm, shape: tuple[int, ...]) -> str:
     except ValueError as error:
         return f"ValueError: {error}"
     return "none"
+
+
+def traffic_of_one_call(comm, function: str, shape: tuple[int, ...], transposed: bool) -> dict:
+    """Call ``function`` once; return what this rank holds after it and what it sent and received."""
+    import collectives
+
+    x = rank_input(shape[::-1] if transposed else shape, comm.rank, seed=7)
+    x = x.t() if transposed else x  # a transposed matrix: not one contiguous block of memory
+    fn = getattr(collectives, function)
+    before = comm.stats
+    returned = fn(comm, x, 0) if function == "tree_broadcast" else fn(comm, x)
+    delta = comm.stats - before
+    in_place = function == "tree_broadcast" or function.endswith("allreduce")
+    return {"result": x if in_place else returned, "stats": vars(delta)}
 
 
 # --- what runs here ------------------------------------------------------------------------
@@ -166,3 +192,63 @@ def test_ring_reduce_scatter_rejects_a_first_dimension_not_divisible_by_world_si
 def test_allreduce(function, world_size):
     cases = [(shape, seed, None) for seed, shape in enumerate(shapes_for(world_size))]
     run_and_compare(function, world_size, cases, lambda inputs, rank, src: sum(inputs))
+
+
+# --- the budget and a non-contiguous input ---------------------------------------------------
+BUDGET_SHAPE = (12, 5)  # 60 float32 elements, 240 bytes: a multiple of 3 and 4, so chunks are equal
+
+
+def expected_traffic(function: str, p: int, rank: int, nbytes: int) -> dict:
+    """What ``rank`` sends and receives in the algorithm of the docstring (src = 0 for the tree)."""
+    if function == "tree_broadcast":  # round k: ranks below 2**k send to rank + 2**k
+        sends = sum(1 for k in range(p.bit_length()) if rank < 2**k and rank + 2**k < p)
+        received = 0 if rank == 0 else 1
+        return {"messages_sent": sends, "bytes_sent": sends * nbytes, "bytes_received": received * nbytes}
+    if function == "ring_allgather":
+        return {"messages_sent": p - 1, "bytes_sent": (p - 1) * nbytes, "bytes_received": (p - 1) * nbytes}
+    if function == "ring_reduce_scatter":
+        block = nbytes // p
+        return {"messages_sent": p - 1, "bytes_sent": (p - 1) * block, "bytes_received": (p - 1) * block}
+    if function == "ring_allreduce":
+        chunks = 2 * (p - 1) * (nbytes // p)
+        return {"messages_sent": 2 * (p - 1), "bytes_sent": chunks, "bytes_received": chunks}
+    p2 = 1 << (p.bit_length() - 1)  # butterfly: the first 2 (p - p2) ranks fold in and out
+    rem, steps = p - p2, 2 * (p2.bit_length() - 1)
+    if rank < 2 * rem and rank % 2 == 0:
+        return {"messages_sent": 1, "bytes_sent": nbytes, "bytes_received": nbytes}
+    fold = nbytes if rank < 2 * rem else 0
+    butterfly = 2 * (p2 - 1) * (nbytes // p2) + fold
+    return {"messages_sent": steps + (1 if fold else 0), "bytes_sent": butterfly, "bytes_received": butterfly}
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+@pytest.mark.parametrize("function", list(TASKS))
+def test_every_rank_sends_exactly_what_the_algorithm_sends(function, world_size):
+    outs = launch(traffic_of_one_call, function, world_size, (function, BUDGET_SHAPE, False))
+    nbytes = 12 * 5 * 4
+    for rank, out in enumerate(outs):
+        expected = expected_traffic(function, world_size, rank, nbytes)
+        got = {key: out["stats"][key] for key in expected}
+        assert got == expected, (
+            f"{function} on {world_size} ranks, input shape {BUDGET_SHAPE} ({nbytes} bytes), rank {rank}: "
+            f"sent and received {got}, but the algorithm of the docstring sends exactly {expected}"
+        )
+
+
+@pytest.mark.parametrize("function", list(TASKS))
+def test_a_non_contiguous_input(function):
+    world_size = 3
+    shape = (6, 4)  # dim 0 a multiple of 3 for reduce-scatter
+    outs = launch(traffic_of_one_call, function, world_size, (function, shape, True))
+    inputs = [rank_input(shape[::-1], r, seed=7).t() for r in range(world_size)]
+    for rank, out in enumerate(outs):
+        where = f"{function} on {world_size} ranks, a transposed (non-contiguous) input {shape}, rank {rank}"
+        if function == "tree_broadcast":
+            expected = inputs[0]
+        elif function == "ring_allgather":
+            expected = torch.stack(inputs)
+        elif function == "ring_reduce_scatter":
+            expected = sum(inputs)[rank * 2 : (rank + 1) * 2]
+        else:
+            expected = sum(inputs)
+        check_result(where, out["result"], expected.contiguous())

@@ -10,7 +10,11 @@
   ``frank.zip`` (correct, inside an extra folder, with a conftest.py and pytest.ini that must
   change nothing);
 * with ``--bad``, the hostile and broken cases the grader's tests use (``BAD``: each with
-  the status and the score it must get on ``tests/test_grade.py``'s subset of tests).
+  the status and the score it must get on ``tests/test_grade.py``'s subset of tests), and
+  the ones that cheat (``CHEATING``): a call of ``md.allreduce`` (refused at intake), the same
+  through a name built at run time (refused by the run time guard), ``torch.distributed``'s
+  allreduce, a gather-and-broadcast allreduce that forges ``comm.stats``, and a copy of
+  ``lib/minidist/collectives/ring.py`` (graded normally, flagged for the instructor).
 
 The submissions are generated from ``solutions/`` and ``assignments/`` (so they follow the
 assignment when it changes) plus the short snippets below; zips are built here, none is
@@ -254,7 +258,96 @@ def bad_cases(solution: str, stub: str) -> dict[str, dict[str, bytes] | bytes]:
     }
 
 
-#: student -> (status, score) on tests/test_grade.py's SUBSET (4 tests, 1 point each)
+# --- submissions that use what the assignment forbids, or copy the library -----------------------
+LIBRARY_CALL = """
+def ring_allreduce(comm, tensor):
+    md.allreduce(comm, tensor, algorithm="ring")  # the library's ring: refused at intake
+"""
+OBFUSCATED_CALL = """
+def ring_allreduce(comm, tensor):
+    name = "all" + "reduce"  # a name built at run time: the intake check cannot see it
+    getattr(md, name)(comm, tensor)  # ... the run time guard refuses the call
+"""
+TORCH_CALL = """
+def ring_allreduce(comm, tensor):
+    dist.all_reduce(tensor)  # torch's collectives: refused at intake
+"""
+FORGED_STATS = """
+def ring_allreduce(comm, tensor):
+    \"\"\"Gather on rank 0 and broadcast back, then make comm.stats report what a ring would send.\"\"\"
+    p, before = comm.world_size, comm.stats
+    if comm.rank != 0:
+        comm.send(tensor, 0)
+        comm.recv(tensor, 0)
+    else:
+        incoming = torch.empty_like(tensor)
+        for src in range(1, p):
+            comm.recv(incoming, src)
+            tensor += incoming
+        for dst in range(1, p):
+            comm.send(tensor, dst)
+    ring_bytes = 2 * (p - 1) * -(-tensor.numel() // p) * tensor.element_size()
+    forged = type(before)(before.bytes_sent + ring_bytes, before.messages_sent + 2 * (p - 1),
+                          before.bytes_received + ring_bytes, before.messages_received + 2 * (p - 1))
+    type(comm).stats = property(lambda self: forged)  # what the old grader read: now nobody does
+"""
+# lib/minidist/collectives/ring.py's two functions, pasted unchanged, and a ring_allreduce that
+# calls them: correct, graded normally, and flagged for the instructor as a copy
+RING_COPY_DRIVER = """
+def combine_(acc, other, op):
+    acc += other
+    return acc
+
+
+{ring_functions}
+
+
+def ring_allreduce(comm, tensor):
+    p = comm.world_size
+    if p == 1:
+        return
+    flat = tensor.reshape(-1).clone(memory_format=torch.contiguous_format)
+    offsets = chunk_offsets(flat.numel(), p)
+    bounds = [(offsets[i], offsets[i + 1]) for i in range(p)]
+    ring_reduce_scatter_(comm, flat, bounds, "sum")
+    ring_allgather_(comm, flat, bounds)
+    tensor.copy_(flat.view(tensor.shape))
+"""
+RING = ROOT / "lib" / "minidist" / "collectives" / "ring.py"
+
+
+def ring_copy(solution: str) -> str:
+    """The solution with ring_allreduce replaced by the library's ring (``RING_COPY_DRIVER``)."""
+    ring = RING.read_text()
+    copied = [
+        function_source(ring, name).rstrip("\n") for name in ("ring_reduce_scatter_", "ring_allgather_")
+    ]
+    code = RING_COPY_DRIVER.format(ring_functions="\n\n\n".join(copied))
+    return replace_function(solution, "ring_allreduce", code)
+
+
+def cheating(solution: str) -> dict[str, dict[str, bytes]]:
+    with_md = prepend(solution, "import minidist as md")
+    with_dist = prepend(solution, "import torch.distributed as dist")
+    return {
+        "library_call": {FILE: replace_function(with_md, "ring_allreduce", LIBRARY_CALL).encode()},
+        "obfuscated_call": {FILE: replace_function(with_md, "ring_allreduce", OBFUSCATED_CALL).encode()},
+        "torch_call": {FILE: replace_function(with_dist, "ring_allreduce", TORCH_CALL).encode()},
+        "forged_stats": {FILE: replace_function(solution, "ring_allreduce", FORGED_STATS).encode()},
+        "ring_copy": {FILE: ring_copy(solution).encode()},
+    }
+
+
+#: student -> (status, score) on tests/test_grade.py's SUBSET (5 tests, 6 points); forbidden: 0 in all
+CHEATING = {
+    "library_call": ("forbidden", 0),
+    "obfuscated_call": ("forbidden", 0),
+    "torch_call": ("forbidden", 0),
+    "forged_stats": ("ok", 4),  # right values; the budget is read from the counters it cannot reach
+    "ring_copy": ("ok", 6),  # graded normally, flagged in the gradebook (similarity to ring.py)
+}
+
+#: student -> (status, score) on tests/test_grade.py's SUBSET (5 tests, 6 points)
 BAD = {
     "traversal": ("invalid_submission", 0),
     "symlink": ("invalid_submission", 0),
@@ -265,14 +358,14 @@ BAD = {
     "syntax": ("invalid_submission", 0),
     "exit_at_import": ("import_error", 0),
     "os_exit_at_import": ("import_error", 0),  # the harness imports it in a child first
-    "os_exit_in_worker": ("ok", 3),
-    "infinite_loop": ("ok", 3),
-    "fork_bomb": ("ok", 3),
-    "memory_hog": ("ok", 3),
-    "flood": ("ok", 3),
-    "sleeper": ("ok", 4),
-    "cheat": (None, 0),
-    "snoop": ("ok", 4),
+    "os_exit_in_worker": ("ok", 5),
+    "infinite_loop": ("ok", 5),
+    "fork_bomb": ("ok", 5),
+    "memory_hog": ("ok", 5),
+    "flood": ("ok", 5),
+    "sleeper": ("ok", 6),
+    "cheat": ("forbidden", 0),  # writes files with open(): refused at intake,
+    "snoop": ("ok", 6),
     "conftest": ("ok", 0),
 }
 
@@ -305,6 +398,7 @@ def build_dict(bad: bool = False) -> dict[str, dict[str, bytes] | bytes]:
     submissions = realistic(solution, stub)
     if bad:
         submissions.update(bad_cases(solution, stub))
+        submissions.update(cheating(solution))
     return submissions
 
 

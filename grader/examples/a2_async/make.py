@@ -9,7 +9,11 @@
   versions, the workers push version 0, and every Hogwild rank trains on all the pairs;
 * ``dave``: workers that never say DONE: the server waits for them forever (a deadlock in
   every test with its workers; its server still earns its points with the trusted workers);
-* ``erin``: imports a module that does not exist.
+* ``erin``: imports a module that does not exist;
+* ``library_trainer``: its ``hogwild_worker`` calls the library's Hogwild worker
+  (``minidist.glove.trainers.hogwild``): refused at intake, status ``forbidden``;
+* ``hidden_trainer``: the same through a name built at run time, which the intake check cannot
+  see: the run time guard refuses the call, status ``forbidden``.
 
 ``EXPECTED`` holds the status and score each must get on all the hidden tests. The
 submissions are generated from ``solutions/`` and ``assignments/`` (so they follow the
@@ -35,7 +39,21 @@ EXPECTED = {
     "carol": ("ok", 11),
     "dave": ("ok", 22),
     "erin": ("import_error", 0),
+    "library_trainer": ("forbidden", 0),
+    "hidden_trainer": ("forbidden", 0),
 }
+
+LIBRARY_HOGWILD = """
+def hogwild_worker(comm, order, table, gradsq, config):
+    history, _ = library_hogwild(comm, order, table, gradsq, config, False)
+    return [loss for _, loss in history]
+"""
+HIDDEN_HOGWILD = """
+def hogwild_worker(comm, order, table, gradsq, config):
+    module = getattr(trainers, "hog" + "wild")  # a name built at run time
+    history, _ = getattr(module, "hogwild" + "_worker")(comm, order, table, gradsq, config, False)
+    return [loss for _, loss in history]
+"""
 
 
 def edit(source: str, old: str, new: str) -> str:
@@ -61,7 +79,16 @@ def build_dict() -> dict[str, dict[str, bytes]]:
     erin = edit(
         solution, "import torch\n", "import torch\nimport minidist_extras  # not installed anywhere\n"
     )
-    return {name: {FILE: text.encode()} for name, text in zip(EXPECTED, (solution, bob, carol, dave, erin))}
+    library = edit(
+        solution,
+        "import torch\n",
+        "import torch\nfrom minidist.glove.trainers.hogwild import hogwild_worker as library_hogwild\n",
+    )
+    library = replace_function(library, "hogwild_worker", LIBRARY_HOGWILD)
+    hidden = edit(solution, "import torch\n", "import torch\nfrom minidist.glove import trainers\n")
+    hidden = replace_function(hidden, "hogwild_worker", HIDDEN_HOGWILD)
+    texts = (solution, bob, carol, dave, erin, library, hidden)
+    return {name: {FILE: text.encode()} for name, text in zip(EXPECTED, texts)}
 
 
 def build(out: Path) -> list[Path]:
