@@ -3,17 +3,27 @@
 For each submission (a folder or a .zip named by student id; see ``intake.py``):
 
 1. keep only the student files (``collectives.py``); an unusable submission gets the status
-   ``invalid_submission`` with the reason, and the batch goes on;
+   ``invalid_submission`` with the reason, one that uses what the assignment forbids (the
+   library's implementation of the task, ``forbidden.py``) the status ``forbidden``, and the
+   batch goes on;
 2. build a fresh working directory with those files, the assignment's worker modules and
-   ``harness.py`` -- never ``test_hidden.py``, never a student's tests or ``conftest.py``;
+   ``rules.py``, ``guard.py``, ``student_comm.py`` and ``harness.py`` -- never
+   ``test_hidden.py``, never a student's tests or ``conftest.py``;
 3. run the harness there in a sandbox (``sandbox.py``: own session, limits, private mounts,
-   an unprivileged user of its own when run as root); it launches each hidden test's job and
-   writes the raw results as JSON and .npy;
+   an unprivileged user of its own when run as root); it launches each hidden test's job --
+   each worker installs the guard, then imports the student's module and calls it with a
+   point-to-point-only communicator -- and writes the raw results as JSON and .npy;
 4. check every test's results *here*, against references computed here from seeds the
-   grader chose for this student (``grader/<name>/grading.py``): a missing, malformed or
-   forged result fails the test, whatever the student's code printed or wrote;
-5. write ``OUT_DIR/<id>/feedback.md`` and ``results.json`` (Gradescope's schema), and at the
-   end ``OUT_DIR/gradebook.csv``.
+   grader chose for this student (``grader/<name>/grading.py``): a missing or malformed
+   result, or a value other than the reference's, fails the test, whatever the student's code
+   printed or wrote. The traffic counts behind a1's budget tests are the one thing measured
+   inside the student's processes: they are cross-checked between ranks, against the
+   transport's own counters and against the formula, but code in those processes can forge
+   them (``grader/README.md``, "What the budgets trust"). A worker that called a forbidden
+   function makes the submission ``forbidden``;
+5. write ``OUT_DIR/<id>/feedback.md`` and ``results.json`` (Gradescope's schema), the
+   similarity of the code to the library for the instructor (``instructor.json``,
+   ``similarity.py``), and at the end ``OUT_DIR/gradebook.csv``.
 
 Deterministic: the seeds are a hash of a key (``OUT_DIR/.seed-key``, created once, or
 ``--seed-key``), the assignment and the student id. Resumable: a submission whose

@@ -4,7 +4,11 @@ An assignment ``grader/<name>/`` that ``python -m grader grade`` can grade has a
 ``grading.py`` with:
 
 * ``STUDENT_FILES``: the files a student hands in (everything else is ignored);
-* ``SANDBOX_FILES``: files of ``grader/<name>/`` the sandbox needs (the workers' code);
+* ``SANDBOX_FILES``: files of ``grader/<name>/`` the sandbox needs (the workers' code and
+  ``rules.py``; ``guard.py`` and ``student_comm.py`` are added for every assignment);
+* ``FORBIDDEN``: a ``forbidden.Rules`` (from ``rules.py``): what a submission may not use;
+* ``SIMILAR_TO``: globs of library files a submission is compared with (``similarity.py``),
+  and ``GIVEN_FUNCTIONS``: the stub's given helpers, not compared;
 * ``graded_tests(seed) -> list[GradedTest]``: every test, its points, its ``Job`` and its
   ``check``; ``seed`` is chosen by the grader per student and run;
 * ``failure_message(test, error, seconds) -> str``: what to say when a job did not return;
