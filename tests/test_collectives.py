@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import minidist as md
+import peer_workers
 import workers
 from minidist.collectives import cost_model
 
@@ -220,8 +221,8 @@ def test_back_to_back_allreduces_of_changing_sizes(algorithm):
 
 
 def test_reduce_scatter_needs_a_divisible_first_dimension():
-    from minidist.transport import share_with_rank
-    from minidist.transport.shm import ShmComm, allocate_mailboxes
+    from minidist.transport import ShmComm, share_with_rank
+    from minidist.transport.shm import allocate_mailboxes
 
     shared = allocate_mailboxes(2, chunk=4096, slots=2)
     comm = ShmComm(0, 2, share_with_rank("shm", shared, 0, 2))
@@ -234,6 +235,96 @@ def test_reduce_scatter_needs_a_divisible_first_dimension():
     with pytest.raises(ValueError, match="src=5"):
         md.broadcast(comm, torch.ones(2), src=5)
     comm.close()
+
+
+# --- ranks that disagree: MessageMismatch naming them, never a wrong result or a hang ---
+def _disagreements():
+    """(transport, world_size, collective, per-rank keyword arguments, the rank that differs)."""
+    cases = []
+
+    def two(transport, kind, a, b):
+        cases.append((transport, 2, kind, [a, b], 1))
+
+    for algorithm in ["auto", "shm", "star", "tree", "ring", "butterfly"]:
+        for shape, dtype in [((4,), "float32"), ((5,), "bfloat16")]:  # numpy and torch small paths
+            two(
+                "shm",
+                "allreduce",
+                *[
+                    {"op": op, "algorithm": algorithm, "shape": shape, "dtype": dtype}
+                    for op in ("sum", "max")
+                ],
+            )
+    two(
+        "shm", "allreduce", {"op": "sum", "shape": (300_000,)}, {"op": "min", "shape": (300_000,)}
+    )  # in pieces
+    two("shm", "allreduce", {"algorithm": "shm"}, {"algorithm": "ring"})
+    two("shm", "allreduce", {"algorithm": "butterfly"}, {"algorithm": "auto"})
+    cases.append(("shm", 3, "allreduce", [{"op": "sum"}, {"op": "sum"}, {"op": "max"}], 2))
+    cases.append(
+        ("shm", 3, "allreduce", [{"op": "avg", "algorithm": "ring"}] * 2 + [{"algorithm": "ring"}], 2)
+    )
+    for transport in ["pipe", "torch"]:
+        for algorithm in ["auto", "star", "tree", "ring", "butterfly"]:
+            two(
+                transport,
+                "allreduce",
+                {"op": "sum", "algorithm": algorithm},
+                {"op": "max", "algorithm": algorithm},
+            )
+        two(transport, "allreduce", {"algorithm": "ring"}, {"algorithm": "butterfly"})
+    for transport in ["shm", "pipe", "torch"]:
+        for algorithm in ["star", "tree"]:
+            two(
+                transport, "broadcast", {"src": 0, "algorithm": algorithm}, {"src": 1, "algorithm": algorithm}
+            )
+            two(transport, "reduce", {"dst": 0, "algorithm": algorithm}, {"dst": 1, "algorithm": algorithm})
+        two(transport, "allgather", {"shape": (4,)}, {"shape": (5,)})
+        two(transport, "reduce_scatter", {"shape": (4,)}, {"shape": (6,)})
+    two("shm", "reduce", {"op": "sum"}, {"op": "max"})
+    two("pipe", "broadcast", {"algorithm": "star"}, {"algorithm": "tree"})
+    two("pipe", "reduce_scatter", {"op": "sum"}, {"op": "max"})
+    two("torch", "allgather", {"dtype": "float32"}, {"dtype": "float64"})
+    cases.append(("pipe", 3, "broadcast", [{"src": 0}, {"src": 0}, {"src": 2}], 2))
+    cases.append(("shm", 3, "reduce", [{"dst": 1}, {"dst": 1}, {"dst": 0}], 2))
+    return cases
+
+
+@pytest.mark.parametrize(
+    "transport, world_size, kind, per_rank, odd",
+    _disagreements(),
+    ids=lambda value: None if isinstance(value, list) else str(value),
+)
+def test_ranks_that_disagree_get_a_mismatch_naming_them(transport, world_size, kind, per_rank, odd):
+    """Every collective, algorithm and transport (the shared-memory paths included) refuses
+    a disagreement on op, root, algorithm, shape or dtype; the launch timeout turns a hang
+    into a LaunchTimeout, which fails this test."""
+    with pytest.raises(md.WorkerError) as info:
+        md.launch(
+            peer_workers.disagreeing_collective,
+            world_size,
+            args=(kind, per_rank),
+            transport=transport,
+            timeout=60,
+        )
+    assert info.value.exc_type == "MessageMismatch", str(info.value)
+    assert f"rank {odd}" in info.value.summary and info.value.summary.count("rank ") >= 2, str(info.value)
+    assert "same" in info.value.summary  # says what to do
+
+
+def test_without_shortcuts_takes_the_point_to_point_path():
+    p, numel = 3, 1000
+    outs = md.launch(peer_workers.plain_and_shortcut_allreduce, p, args=(numel,), transport="shm", timeout=60)
+    want = torch.arange(float(numel)) * sum(r + 1 for r in range(p))
+    nbytes = numel * 4
+    algorithm = md.collectives.cost_model.fastest_allreduce(p, nbytes, cost_model.DEFAULTS["shm"])
+    for rank, out in enumerate(outs):
+        assert out["workspace"] and out["same_rank"]
+        (plain, plain_bytes), (direct, direct_bytes) = out["plain"], out["direct"]
+        assert torch.equal(plain, want) and torch.equal(direct, want)
+        assert plain_bytes == cost_model.bytes_sent(algorithm, p, rank, numel, 4)  # messages
+        assert direct_bytes == 0  # the shared workspace: no messages at all
+        assert "transport='shm'" in out["shm_on_plain"]
 
 
 # --- the cost model ----------------------------------------------------------------------

@@ -7,8 +7,8 @@ import torch
 
 import minidist as md
 import workers
-from minidist.transport import share_with_rank
-from minidist.transport.shm import DEFAULT_CHUNK, ShmComm, allocate_mailboxes
+from minidist.transport import ShmComm, share_with_rank
+from minidist.transport.shm import DEFAULT_CHUNK, allocate_mailboxes
 
 TRANSPORTS = ["pipe", "shm", "torch"]
 

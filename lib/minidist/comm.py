@@ -25,6 +25,12 @@ part that is the same for all of them:
   so messages between two ranks are delivered in the order they were posted
   (MPI's non-overtaking rule) while the caller keeps computing;
 * **barrier** -- a dissemination barrier made of empty messages.
+
+Capabilities beyond point-to-point are explicit: ``comm.shared_workspace`` is
+None here, and the shm transport returns the block of memory every rank maps
+(the collectives then take their shared-memory fast path).
+``comm.without_shortcuts()`` hands out the same communicator with every such
+capability switched off, so collectives run the plain point-to-point algorithms.
 """
 
 from __future__ import annotations
@@ -435,3 +441,66 @@ class Communicator:
 
     def _deadline(self) -> float:
         return math.inf if self.timeout is None else time.monotonic() + self.timeout
+
+    # --- capabilities ----------------------------------------------------------
+    @property
+    def shared_workspace(self) -> object | None:
+        """Memory that every rank of this communicator maps, or None (the default).
+
+        Only the shm transport has one (a ``transport.shm_workspace.SharedWorkspace``);
+        ``md.allreduce`` asks for it to choose its shared-memory algorithm.
+        """
+        return None
+
+    def without_shortcuts(self) -> Communicator:
+        """This communicator without its speed paths: the same rank, peers, messages and
+        ``stats``, but ``shared_workspace`` is None, so collectives called on it run the
+        point-to-point algorithms (what a student's code must be measured against)."""
+        return PlainComm(self)
+
+
+class PlainComm(Communicator):
+    """A view of another communicator with no capability beyond point-to-point.
+
+    ``send``/``recv``/``isend``/``irecv``/``barrier`` and ``stats`` are the inner
+    communicator's (same mailboxes, same counters); ``shared_workspace`` is None.
+    Closing the view does not close the communicator it wraps.
+    """
+
+    def __init__(self, inner: Communicator) -> None:
+        super().__init__(inner.rank, inner.world_size, inner.local_rank, inner.device, inner.timeout)
+        self.inner = inner
+        self.name = inner.name
+        self.supports_cuda = inner.supports_cuda
+        self.buffers_small_sends = inner.buffers_small_sends
+
+    def __repr__(self) -> str:
+        return f"{self.inner!r}.without_shortcuts()"
+
+    @property
+    def stats(self) -> CommStats:
+        return self.inner.stats
+
+    def reset_stats(self) -> None:
+        self.inner.reset_stats()
+
+    def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
+        self.inner.send(tensor, dst, tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
+        return self.inner.recv(tensor, src, tag)
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+        return self.inner.isend(tensor, dst, tag)
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+        return self.inner.irecv(tensor, src, tag)
+
+    def barrier(self) -> None:
+        self.inner.barrier()
+
+    def without_shortcuts(self) -> Communicator:
+        return self
+
+    def close(self) -> None:
+        """Nothing to release: the inner communicator belongs to whoever created it."""

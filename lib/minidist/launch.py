@@ -74,6 +74,7 @@ class WorkerSpec:
     threads: int
     stack_file: str
     forward_output: bool
+    foreign_fds: tuple[int, ...] = ()  # other ranks' pipe ends, inherited under fork
 
 
 # --- the worker side ---------------------------------------------------------------
@@ -107,6 +108,9 @@ def _release_fork_server() -> None:
 
 def _worker_main(spec: WorkerSpec, fn, args, kwargs, result_conn, resources, out_conn, err_conn):
     os.environ[_ENV_WORKER] = "1"
+    for fd in spec.foreign_fds:  # else a peer's exit would not close its pipes (see transport)
+        with contextlib.suppress(OSError):
+            os.close(fd)
     result_conn.send_bytes(b"S")  # "started": the launcher can tell start-up failures apart
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # our own process group: the launcher kills the whole group
@@ -223,7 +227,9 @@ def _choose_root_cause(failures: list[dict]) -> WorkerError:
     consequences = ("PeerError", "MessageMismatch")
     causes = [f for f in failures if f["exc_type"] not in consequences and f["exc_type"] != ""]
     deaths = [f for f in failures if f["exc_type"] == ""]
-    primary = (causes or deaths or failures)[0]  # an exception, else a death, else the first
+    # a rank that saw a disagreement comes before one that then lost its partner (PeerError)
+    mismatches = [f for f in failures if f["exc_type"] == "MessageMismatch"]
+    primary = (causes or deaths or mismatches or failures)[0]
     others = {f["rank"]: f["message"] for f in failures if f is not primary}
     return WorkerError(
         primary["rank"],
@@ -325,6 +331,7 @@ def launch(
                 threads=threads,
                 stack_file=os.path.join(stack_dir, f"rank{rank}.txt"),
                 forward_output=forwarder is not None,
+                foreign_fds=transports.foreign_fds(transport, shared, rank) if start_method == "fork" else (),
             )
             resources = transports.share_with_rank(transport, shared, rank, world_size)
             process = context.Process(
@@ -353,6 +360,7 @@ def launch(
         for end in child_ends:  # the children hold their copies; EOF works only if we drop ours
             end.close()
         child_ends = []
+        transports.launcher_copies_release(transport, shared)  # the same for the transport's pipes
         if forwarder is not None:
             forwarder.start()
         return _wait_for_results(processes, result_readers, timeout, stack_dir)

@@ -5,36 +5,35 @@ numel (0 and fewer elements than ranks included) and any layout (a
 non-contiguous tensor is handled through a contiguous copy). They are written
 only against ``comm.send/recv/isend/irecv``, so they run on every transport.
 
-Ranks must pass tensors of the same shape and dtype (and the same op and
-root): every message of a collective carries a tag that checksums them, so a
-disagreement raises ``MessageMismatch`` naming the ranks, at the first message.
+This module is the one place where a call is validated: the arguments here,
+agreement between the ranks through a *signature* (``signature.py``): a checksum
+of the operation, shape, dtype, op, root and algorithm that every message of
+the collective carries as its tag, so a disagreement raises ``MessageMismatch``
+naming the ranks, at the first message. The algorithms (``rooted``, ``ring``,
+``butterfly``) only move and combine data.
+
+One speed path: on a communicator with a ``shared_workspace`` (the shm
+transport), ``allreduce`` runs ``shm_allreduce``, which sends no messages at all;
+it receives the signature computed here and compares it across the ranks through
+the workspace. ``comm.without_shortcuts()`` gives a communicator without a
+workspace, on which ``allreduce`` takes the point-to-point algorithms.
 """
 
 from __future__ import annotations
-
-import zlib
 
 import torch
 
 from ..errors import MessageMismatch
 from . import cost_model
 from .butterfly import butterfly_allreduce_
-from .ops import OPS, Flat, check_op, chunk_bounds, finish_
+from .ops import Flat, check_op, chunk_bounds, finish_
 from .ring import ring_allgather_, ring_reduce_scatter_
 from .rooted import star_broadcast, star_reduce, tree_broadcast, tree_reduce
-from .shm_allreduce import shm_allreduce_, small_allreduce
+from .shm_allreduce import shm_allreduce
+from .signature import signature_tag
 
 ALLREDUCE_ALGORITHMS = ("auto", "star", "tree", "ring", "butterfly", "shm")
 ROOTED_ALGORITHMS = ("auto", "star", "tree")
-
-
-def signature_tag(name: str, tensor: torch.Tensor, *extra) -> int:
-    """A tag that every message of this collective carries: a checksum of the operation,
-    the tensor's full shape and dtype (and op, root). Ranks that disagree on any of them
-    get a ``MessageMismatch`` at their first message instead of a silently wrong result --
-    even for a (2, 3) against a (3, 2) tensor, whose flat vectors have the same length."""
-    text = f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|{'|'.join(map(str, extra))}"
-    return zlib.crc32(text.encode()) + 1  # never 0, the tag of plain send/recv
 
 
 def _check(comm, tensor, name: str) -> None:
@@ -56,10 +55,29 @@ def _explained(name: str, error: MessageMismatch) -> MessageMismatch:
     )
 
 
+def _agree_on_root(comm, tag: int) -> None:
+    """One ring round of empty messages that carry the signature.
+
+    Broadcast and reduce need it because their messages alone cannot expose a
+    disagreement about the root: with two ranks that each believe they are the
+    root, both would send and return (broadcast: each keeps its own tensor) or
+    both would wait for the other (reduce). If the signatures are not all equal,
+    some rank's left neighbour differs from it, and that rank raises. Cost: one
+    latency, no payload bytes.
+    """
+    p, rank = comm.world_size, comm.rank
+    nothing = torch.empty(0)
+    work = comm.isend(nothing, (rank + 1) % p, tag)
+    comm.recv(torch.empty(0), (rank - 1) % p, tag)
+    work.wait()
+
+
 def broadcast(comm, tensor: torch.Tensor, src: int = 0, algorithm: str = "auto") -> torch.Tensor:
     """Copy ``src``'s tensor into every rank's ``tensor`` (in place).
 
-    star: the root sends p-1 messages; tree: ceil(log2 p) rounds (see ``rooted``).
+    star: the root sends p-1 messages; tree: ceil(log2 p) rounds (see ``rooted``);
+    ``auto`` is tree. Both start with one round of empty messages that checks the
+    ranks agree (``_agree_on_root``).
     """
     _check(comm, tensor, "broadcast")
     _check_root(comm, src, "src")
@@ -67,9 +85,11 @@ def broadcast(comm, tensor: torch.Tensor, src: int = 0, algorithm: str = "auto")
         raise ValueError(f"unknown broadcast algorithm {algorithm!r}; choose one of {ROOTED_ALGORITHMS}")
     if comm.world_size == 1:
         return tensor
+    algorithm = "star" if algorithm == "star" else "tree"
     flat = Flat(tensor)
     try:
-        tag = signature_tag("broadcast", tensor, src)
+        tag = signature_tag("broadcast", tensor, src, algorithm)
+        _agree_on_root(comm, tag)
         (star_broadcast if algorithm == "star" else tree_broadcast)(comm, flat.flat, src, tag)
     except MessageMismatch as error:
         raise _explained("broadcast", error) from error
@@ -80,7 +100,8 @@ def reduce(
     comm, tensor: torch.Tensor, dst: int = 0, op: str = "sum", algorithm: str = "auto"
 ) -> torch.Tensor:
     """Combine every rank's tensor with ``op`` into ``dst``'s tensor (in place on ``dst``;
-    the other ranks' tensors are left unchanged)."""
+    the other ranks' tensors are left unchanged). Like ``broadcast``, it starts with
+    one round of empty messages that checks the ranks agree."""
     _check(comm, tensor, "reduce")
     _check_root(comm, dst, "dst")
     check_op(op, tensor)
@@ -88,9 +109,11 @@ def reduce(
         raise ValueError(f"unknown reduce algorithm {algorithm!r}; choose one of {ROOTED_ALGORITHMS}")
     if comm.world_size == 1:
         return tensor
+    algorithm = "star" if algorithm == "star" else "tree"
     flat = Flat(tensor)
     try:
-        tag = signature_tag("reduce", tensor, dst, op)
+        tag = signature_tag("reduce", tensor, dst, op, algorithm)
+        _agree_on_root(comm, tag)
         (star_reduce if algorithm == "star" else tree_reduce)(comm, flat.flat, dst, op, tag)
     except MessageMismatch as error:
         raise _explained("reduce", error) from error
@@ -115,37 +138,32 @@ def allreduce(comm, tensor: torch.Tensor, op: str = "sum", algorithm: str = "aut
     shm         shared workspace (shm only)  1-2 barriers/piece    none (memcpy)
     ==========  ===========================  ====================  ===========================
 
-    ``auto`` picks ``shm`` on the shm transport, otherwise the algorithm the
-    alpha-beta cost model predicts to be fastest (see ``cost_model``).
+    ``auto`` picks ``shm`` when the communicator has a ``shared_workspace`` (the shm
+    transport), otherwise the algorithm the alpha-beta cost model predicts to be
+    fastest (see ``cost_model``). The root of star and tree is always rank 0, so
+    the data messages themselves carry the signature check; no extra round.
     """
-    if (  # the latency-critical case first: a small tensor on the shm transport
-        algorithm in ("auto", "shm")
-        and op in OPS
-        and getattr(comm, "workspace", None) is not None
-        and comm.world_size > 1
-        and type(tensor) is torch.Tensor
-        and small_allreduce(comm, tensor, op)
-    ):
-        return tensor
     _check(comm, tensor, "allreduce")
     check_op(op, tensor)
     if algorithm not in ALLREDUCE_ALGORITHMS:
         raise ValueError(f"unknown allreduce algorithm {algorithm!r}; choose one of {ALLREDUCE_ALGORITHMS}")
-    p = comm.world_size
+    workspace = getattr(comm, "shared_workspace", None)  # duck-typed communicators may lack it
     if algorithm == "auto":
-        algorithm = choose_allreduce(comm, tensor.numel() * tensor.element_size())
-    if algorithm == "shm" and getattr(comm, "workspace", None) is None:
+        algorithm = "shm" if workspace is not None else choose_allreduce(comm, tensor.nbytes)
+    elif algorithm == "shm" and workspace is None:
         raise ValueError(
-            f"algorithm='shm' works only with transport='shm' (this is {type(comm).__name__}); "
-            "use 'ring', 'butterfly', 'tree' or 'star'"
+            f"algorithm='shm' works only with transport='shm' (this is {type(comm).__name__}, "
+            "which has no shared workspace); use 'ring', 'butterfly', 'tree' or 'star'"
         )
+    p = comm.world_size
     if p == 1:
         return tensor
-    staged = tensor.is_cuda and algorithm == "shm"
-    work = tensor.cpu() if staged else tensor
-    flat = Flat(work)
-    vector = flat.flat
     tag = signature_tag("allreduce", tensor, op, algorithm)
+    if algorithm == "shm":  # the speed path: it checks the signature itself, across the workspace
+        shm_allreduce(comm, workspace, tensor, op, tag)
+        return tensor
+    flat = Flat(tensor)
+    vector = flat.flat
     try:
         if algorithm == "star":
             star_reduce(comm, vector, 0, op, tag)
@@ -163,24 +181,17 @@ def allreduce(comm, tensor: torch.Tensor, op: str = "sum", algorithm: str = "aut
             lo, hi = bounds[comm.rank]
             finish_(vector[lo:hi], op, p)
             ring_allgather_(comm, vector, bounds, tag)
-        elif algorithm == "butterfly":
+        else:
             butterfly_allreduce_(comm, vector, op, tag)
             finish_(vector, op, p)
-        else:
-            shm_allreduce_(comm, work, vector, op)
     except MessageMismatch as error:
-        if algorithm == "shm":
-            raise
         raise _explained("allreduce", error) from error
-    flat.commit()
-    if staged:
-        tensor.copy_(work)
-    return tensor
+    return flat.commit()
 
 
 def choose_allreduce(comm, nbytes: int) -> str:
     """What ``algorithm="auto"`` runs for ``nbytes`` on this communicator."""
-    if getattr(comm, "workspace", None) is not None:
+    if getattr(comm, "shared_workspace", None) is not None:
         return "shm"
     return cost_model.fastest_allreduce(comm.world_size, nbytes, cost_model.DEFAULTS.get(comm.name))
 

@@ -1,10 +1,11 @@
-"""The shared-memory allreduce: the fast path on one machine.
+"""The shared-memory allreduce: the speed path on one machine.
 
 Point-to-point algorithms move every byte twice per hop (into a mailbox, out
 of it). When all ranks can map the same memory there is a shorter way. The
-launcher gives every ``ShmComm`` one shared *workspace* with a slot per rank::
-
-    flags  | digests (x2) | buffer 0: slot 0 | slot 1 | ... | buffer 1: slot 0 | slot 1 | ...
+shm transport gives every rank the same *workspace*
+(``comm.shared_workspace``; its layout is defined in
+``transport/shm_workspace.py``): a flag, a meta record and a data slot per rank,
+in two buffers that alternate between operations.
 
 Small vectors (one barrier):
   1. each rank copies its vector into its slot of the current buffer;
@@ -26,9 +27,14 @@ writer. Two buffers alternate between operations, so a rank may start copying
 the next piece while a slower one is still reading this one; it cannot get two
 operations ahead, because that needs everyone at the barrier in between.
 
-Each rank also writes a digest of its tensor's shape and dtype next to its
-slot; after the first barrier everyone compares them, so ranks that pass
-different tensors get a clear error instead of a wrong sum.
+Agreement: this module validates nothing itself. ``collectives.api.allreduce``
+checks the arguments and computes the call's signature (a checksum of shape,
+dtype, op and algorithm, the same tag the point-to-point algorithms put on
+their messages). Each rank writes it into its meta record before the first
+barrier and compares everyone's after it, so ranks that disagree get a
+``MessageMismatch`` naming them instead of a wrong result. While waiting at the
+barrier, a rank also looks at its mailboxes: a peer that runs the allreduce
+with a point-to-point algorithm instead sends it a message whose tag says so.
 """
 
 from __future__ import annotations
@@ -41,106 +47,16 @@ import torch
 
 from ..comm import KIND_DATA, describe_header, encode_header
 from ..errors import MessageMismatch
-from ..transport.shm import header_digest
-from .ops import chunk_bounds, combine_, finish_
+from ..transport.shm_workspace import HEADER_START, OP_INDEX, SharedWorkspace
+from .ops import OPS, Flat, chunk_bounds, combine_, finish_
+from .signature import signature_tag
 
 SMALL_BYTES = 64 * 1024
 # Large vectors go through the workspace in pieces of this size: small enough that a
 # piece, its p copies and the result stay in the CPU's cache between the copy-in, the
 # reduction and the copy-out (2-3x faster than pieces the size of a whole slot).
 PIECE_BYTES = int(os.environ.get("MINIDIST_SHM_PIECE", 1 << 20))
-META_BYTES = 256  # per rank per buffer: digest + the 20-integer header
-
-
-def workspace_layout(world_size: int, total_bytes: int) -> tuple[int, int, int]:
-    """(offset of the digests, offset of the data, bytes per slot) in a workspace."""
-    meta = 64 * world_size
-    data = -(-(meta + 2 * world_size * META_BYTES) // 4096) * 4096
-    slot = (total_bytes - data) // (2 * world_size) // 4096 * 4096
-    return meta, data, slot
-
-
-class _State:
-    """This rank's views of the workspace and its barrier epoch (kept on the comm)."""
-
-    def __init__(self, comm) -> None:
-        workspace = comm.workspace
-        p = comm.world_size
-        base = workspace.data_ptr()
-        meta, data, slot = workspace_layout(p, workspace.numel())
-        self.flags = [ctypes.c_int64.from_address(base + 64 * r) for r in range(p)]
-        raw = workspace.numpy()
-        self.meta = [
-            [raw[meta + (b * p + r) * META_BYTES :][:META_BYTES].view(np.int64) for r in range(p)]
-            for b in (0, 1)
-        ]
-        self.slots = [[workspace[data + (b * p + r) * slot :][:slot] for r in range(p)] for b in (0, 1)]
-        self.digest = [
-            [ctypes.c_int64.from_address(base + meta + (b * p + r) * META_BYTES) for r in range(p)]
-            for b in (0, 1)
-        ]
-        self.slot_ptr = [[view.data_ptr() for view in buffer] for buffer in self.slots]
-        self.numpy_views: dict = {}  # (buffer, dtype, numel) -> [slot 0 .. slot p-1, scratch]
-        self.written = [None, None]  # the header this rank last wrote into each buffer's meta
-        self.slot_bytes = slot
-        self.epoch = 0
-        self.parity = 0
-        self.typed: dict = {}
-        self.headers: dict = {}
-
-    def typed_slot(self, b: int, r: int, dtype: torch.dtype) -> torch.Tensor:
-        view = self.typed.get((b, r, dtype))
-        if view is None:
-            view = self.typed[(b, r, dtype)] = self.slots[b][r].view(dtype)
-        return view
-
-
-def _state(comm) -> _State:
-    state = getattr(comm, "_shm_allreduce_state", None)
-    if state is None:
-        if getattr(comm, "workspace", None) is None:
-            raise ValueError(
-                "algorithm='shm' needs a shared-memory workspace: launch with transport='shm' "
-                f"(this communicator is {type(comm).__name__})"
-            )
-        state = comm._shm_allreduce_state = _State(comm)
-    return state
-
-
-def _barrier(comm, state: _State) -> None:
-    state.epoch += 1
-    epoch = state.epoch
-    state.flags[comm.rank].value = epoch
-    for peer, flag in enumerate(state.flags):
-        if flag.value < epoch:
-            comm._wait_at_least(flag, epoch, peer, "the shm allreduce barrier: waiting for")
-
-
-def _publish_meta(comm, state: _State, b: int, tensor: torch.Tensor) -> None:
-    key = (tensor.dtype, tensor.shape)
-    cached = state.headers.get(key)
-    if cached is None:
-        header = encode_header(KIND_DATA, tensor)
-        cached = state.headers[key] = (header_digest(header), header)
-    if state.written[b] is not cached:  # the full header only when it changes
-        state.meta[b][comm.rank][1:21] = cached[1]
-        state.written[b] = cached
-    state.digest[b][comm.rank].value = cached[0]
-
-
-def _check_meta(comm, state: _State, b: int) -> None:
-    digests = state.digest[b]
-    mine = digests[comm.rank].value
-    if all(d.value == mine for d in digests):
-        return
-    described = {r: describe_header(state.meta[b][r][1:21]) for r in range(comm.world_size)}
-    others = [r for r in range(comm.world_size) if state.meta[b][r][0] != mine]
-    raise MessageMismatch(
-        f"allreduce: rank {comm.rank} passed {described[comm.rank]}, but rank(s) {others} passed "
-        + "; ".join(f"rank {r}: {described[r]}" for r in others)
-        + ". Every rank must pass a tensor of the same shape and dtype."
-    )
-
+MESSAGE_ALGORITHMS = ("star", "tree", "ring", "butterfly")
 
 _NUMPY_DTYPES = {
     torch.float32: np.float32,
@@ -155,28 +71,138 @@ _NUMPY_DTYPES = {
 _UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
 
 
-def small_allreduce(comm, tensor: torch.Tensor, op: str) -> bool:
+class _State:
+    """What this rank keeps between calls: views of the workspace, the call in progress."""
+
+    def __init__(self, comm, workspace: SharedWorkspace) -> None:
+        self.comm = comm
+        self.workspace = workspace
+        self.numpy_views: dict = {}  # (buffer, dtype, numel) -> [slot 0 .. slot p-1, scratch]
+        self.typed: dict = {}
+        self.written: list = [None, None]  # the signature whose meta this rank last wrote, per buffer
+        self.call: tuple = ()  # (shape, dtype, op) of the allreduce in progress, for error messages
+
+    def typed_slot(self, b: int, r: int, dtype: torch.dtype) -> torch.Tensor:
+        view = self.typed.get((b, r, dtype))
+        if view is None:
+            view = self.typed[(b, r, dtype)] = self.workspace.slots[b][r].view(dtype)
+        return view
+
+    def look_for_message_algorithms(self) -> None:
+        """Called while waiting at the barrier: is a peer running a point-to-point
+        allreduce of the same tensor instead? Its first message to us would say so."""
+        peek = getattr(self.comm, "peek_tag", None)
+        if peek is None or not self.call:
+            return
+        shape, dtype, op = self.call
+        like = torch.empty(shape, dtype=dtype, device="meta")  # no memory: only shape and dtype
+        theirs = {signature_tag("allreduce", like, op, a): a for a in MESSAGE_ALGORITHMS}
+        for peer in range(self.comm.world_size):
+            if peer != self.comm.rank and peek(peer) in theirs:
+                raise MessageMismatch(
+                    f"allreduce: the ranks do not agree: rank {self.comm.rank} runs algorithm 'shm', "
+                    f"but rank {peer} sent it a message of allreduce with algorithm "
+                    f"{theirs[peek(peer)]!r}. Every rank must pass the same algorithm."
+                )
+
+
+def _state(comm, workspace: SharedWorkspace) -> _State:
+    state = workspace.cache.get("shm_allreduce")
+    if state is None:
+        state = workspace.cache["shm_allreduce"] = _State(comm, workspace)
+    return state
+
+
+def _barrier(comm, state: _State) -> None:
+    workspace = state.workspace
+    workspace.epoch += 1
+    epoch = workspace.epoch
+    workspace.flags[comm.rank].value = epoch
+    for peer, flag in enumerate(workspace.flags):
+        if flag.value < epoch:
+            comm.wait_at_least(
+                flag,
+                epoch,
+                peer,
+                "the shm allreduce barrier: waiting for",
+                state.look_for_message_algorithms,
+            )
+
+
+def _publish(comm, state: _State, b: int, tensor: torch.Tensor, op: str, signature: int) -> None:
+    """Write this call's signature (and, when it changed, what it stands for) into the meta record."""
+    workspace = state.workspace
+    if state.written[b] != signature:
+        record = workspace.meta[b][comm.rank]
+        record[OP_INDEX] = OPS.index(op)
+        record[HEADER_START : HEADER_START + 20] = encode_header(KIND_DATA, tensor)
+        state.written[b] = signature
+    workspace.signature[b][comm.rank].value = signature
+
+
+def _check_agreement(comm, state: _State, b: int) -> None:
+    signatures = state.workspace.signature[b]
+    mine = signatures[comm.rank].value
+    for signature in signatures:
+        if signature.value != mine:
+            break
+    else:
+        return
+    meta = state.workspace.meta[b]
+
+    def described(r: int) -> str:
+        op = OPS[int(meta[r][OP_INDEX])]
+        return f"{describe_header(meta[r][HEADER_START : HEADER_START + 20])} with op {op!r}"
+
+    others = [r for r in range(comm.world_size) if signatures[r].value != mine]
+    raise MessageMismatch(
+        f"allreduce: the ranks do not agree: rank {comm.rank} passed {described(comm.rank)}, but "
+        + "; ".join(f"rank {r} passed {described(r)}" for r in others)
+        + ". Every rank must pass a tensor of the same shape and dtype, with the same op and algorithm."
+    )
+
+
+def shm_allreduce(comm, workspace: SharedWorkspace, tensor: torch.Tensor, op: str, signature: int) -> None:
+    """Allreduce ``tensor`` in place through ``workspace`` (arguments already validated by
+    ``collectives.api``; ``signature`` is the call's checksum, compared across ranks)."""
+    state = _state(comm, workspace)
+    state.call = (tensor.shape, tensor.dtype, op)
+    if _small_numpy_allreduce(comm, state, tensor, op, signature):
+        return
+    staged = tensor.is_cuda
+    work = tensor.cpu() if staged else tensor
+    flat = Flat(work)
+    _workspace_allreduce(comm, state, tensor, flat.flat, op, signature)
+    flat.commit()
+    if staged:
+        tensor.copy_(work)
+
+
+def _small_numpy_allreduce(comm, state: _State, tensor: torch.Tensor, op: str, signature: int) -> bool:
     """The latency path for a small contiguous CPU tensor of a dtype numpy knows:
     numpy's ufuncs and ctypes' memmove cost a fraction of a microsecond where a
     torch call costs one or two. Returns False when it does not apply."""
     np_dtype = _NUMPY_DTYPES.get(tensor.dtype)
     nbytes = tensor.nbytes
-    if np_dtype is None or nbytes > SMALL_BYTES or tensor.is_cuda or not tensor.is_contiguous():
-        return False
-    state = _state(comm)
-    if nbytes > state.slot_bytes:
+    workspace = state.workspace
+    if (
+        np_dtype is None
+        or nbytes > SMALL_BYTES
+        or nbytes > workspace.slot_bytes
+        or tensor.is_cuda
+        or not tensor.is_contiguous()
+    ):
         return False
     p, rank = comm.world_size, comm.rank
-    b = state.parity
-    state.parity ^= 1
-    ctypes.memmove(state.slot_ptr[b][rank], tensor.data_ptr(), nbytes)
-    _publish_meta(comm, state, b, tensor)
+    b = workspace.next_buffer()
+    ctypes.memmove(workspace.slot_ptr[b][rank], tensor.data_ptr(), nbytes)
+    _publish(comm, state, b, tensor, op, signature)
     _barrier(comm, state)
-    _check_meta(comm, state, b)
+    _check_agreement(comm, state, b)
     numel = tensor.numel()
     views = state.numpy_views.get((b, np_dtype, numel))
     if views is None:
-        views = [state.slots[b][r].numpy()[:nbytes].view(np_dtype) for r in range(p)]
+        views = [workspace.slots[b][r].numpy()[:nbytes].view(np_dtype) for r in range(p)]
         views.append(np.empty(numel, dtype=np_dtype))  # private scratch for the result
         state.numpy_views[(b, np_dtype, numel)] = views
     ufunc, scratch = _UFUNCS[op], views[-1]
@@ -192,19 +218,20 @@ def small_allreduce(comm, tensor: torch.Tensor, op: str) -> bool:
     return True
 
 
-def shm_allreduce_(comm, tensor: torch.Tensor, flat: torch.Tensor, op: str) -> None:
-    """Allreduce ``flat`` (the contiguous flat view of ``tensor``) in place."""
-    state = _state(comm)
+def _workspace_allreduce(
+    comm, state: _State, tensor: torch.Tensor, flat: torch.Tensor, op: str, signature: int
+) -> None:
+    """Allreduce ``flat`` (the contiguous flat view of ``tensor``) in place, with torch."""
+    workspace = state.workspace
     p, rank = comm.world_size, comm.rank
     nbytes = flat.numel() * flat.element_size()
-    if nbytes <= min(SMALL_BYTES, state.slot_bytes):
-        b = state.parity
-        state.parity ^= 1
+    if nbytes <= min(SMALL_BYTES, workspace.slot_bytes):
+        b = workspace.next_buffer()
         numel = flat.numel()
-        ctypes.memmove(state.slots[b][rank].data_ptr(), flat.data_ptr(), nbytes)
-        _publish_meta(comm, state, b, tensor)
+        ctypes.memmove(workspace.slot_ptr[b][rank], flat.data_ptr(), nbytes)
+        _publish(comm, state, b, tensor, op, signature)
         _barrier(comm, state)
-        _check_meta(comm, state, b)
+        _check_agreement(comm, state, b)
         views = [state.typed_slot(b, r, flat.dtype)[:numel] for r in range(p)]
         if op in ("sum", "avg") and p == 2:
             torch.add(views[0], views[1], out=flat)
@@ -214,17 +241,16 @@ def shm_allreduce_(comm, tensor: torch.Tensor, flat: torch.Tensor, op: str) -> N
                 combine_(flat, view, op)
         finish_(flat, op, p)
         return
-    per_piece = min(state.slot_bytes, PIECE_BYTES) // flat.element_size()
+    per_piece = min(workspace.slot_bytes, PIECE_BYTES) // flat.element_size()
     for start in range(0, flat.numel(), per_piece):
         piece = flat[start : start + per_piece]
         numel = piece.numel()
-        b = state.parity
-        state.parity ^= 1
+        b = workspace.next_buffer()
         mine = state.typed_slot(b, rank, flat.dtype)[:numel]
         mine.copy_(piece)
-        _publish_meta(comm, state, b, tensor)
+        _publish(comm, state, b, tensor, op, signature)
         _barrier(comm, state)
-        _check_meta(comm, state, b)
+        _check_agreement(comm, state, b)
         lo, hi = chunk_bounds(numel, p)[rank]
         acc = state.typed_slot(b, 0, flat.dtype)[lo:hi]
         for r in range(1, p):

@@ -9,13 +9,17 @@ name      how bytes move                              reaches
 ========  ==========================================  =====================
 
 Each transport is a ``Communicator`` subclass; ``setup`` (in the launcher) and
-``connect`` (in the worker) are the two halves of building one.
+``connect`` (in the worker) are the two halves of building one. The shm
+transport is three modules: ``shm`` (the mailboxes and their protocol, the
+teaching path), ``shm_fastpath`` (``ShmComm``: a shortcut for one-slot
+messages) and ``shm_workspace`` (the block all ranks share, for collectives).
 """
 
 from __future__ import annotations
 
 from .pipe import PipeComm, allocate_pipes, resources_for_rank
-from .shm import ShmComm, allocate_mailboxes
+from .shm import MailboxComm, allocate_mailboxes
+from .shm_fastpath import ShmComm
 from .torch_dist import TorchComm
 
 TRANSPORTS = ("pipe", "shm", "torch")
@@ -47,6 +51,30 @@ def share_with_rank(transport: str, shared, rank: int, world_size: int):
     return shared
 
 
+def launcher_copies_release(transport: str, shared) -> None:
+    """Launcher side, once every rank has started: drop the launcher's own copies.
+
+    A pipe reports end-of-file to its reader (and a broken pipe to its writer)
+    only when every copy of the other end is closed. The ranks hold the ends
+    they use; if the launcher kept its copies, a rank waiting on a peer that has
+    exited would wait for the launcher's timeout instead of raising ``PeerError``.
+    """
+    if transport == "pipe":
+        for conn in [*shared["readers"].values(), *shared["writers"].values()]:
+            conn.close()
+
+
+def foreign_fds(transport: str, shared, rank: int) -> tuple[int, ...]:
+    """File descriptors of other ranks' pipe ends, which a *forked* rank inherits and
+    must close (for the same reason as ``launcher_copies_release``)."""
+    if transport != "pipe":
+        return ()
+    own = {conn.fileno() for (src, dst), conn in shared["writers"].items() if src == rank}
+    own |= {conn.fileno() for (src, dst), conn in shared["readers"].items() if dst == rank}
+    every = {conn.fileno() for conn in [*shared["readers"].values(), *shared["writers"].values()]}
+    return tuple(sorted(every - own))
+
+
 def connect(transport: str, rank: int, world_size: int, resources, local_rank, device, timeout):
     """Worker side: build this rank's communicator."""
     classes = {"pipe": PipeComm, "shm": ShmComm, "torch": TorchComm}
@@ -55,4 +83,13 @@ def connect(transport: str, rank: int, world_size: int, resources, local_rank, d
     )
 
 
-__all__ = ["TRANSPORTS", "PipeComm", "ShmComm", "TorchComm", "setup", "share_with_rank", "connect"]
+__all__ = [
+    "TRANSPORTS",
+    "MailboxComm",
+    "PipeComm",
+    "ShmComm",
+    "TorchComm",
+    "setup",
+    "share_with_rank",
+    "connect",
+]

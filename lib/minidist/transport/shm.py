@@ -23,11 +23,22 @@ fills slot 1 while the receiver empties slot 0 (a pipeline of memcpys).
 
 Ordering: the data is written *before* ``sent`` is bumped, and read *after*
 ``sent`` is seen. x86-64 (TSO) never reorders stores with stores or loads with
-loads, which is all this protocol needs.
+loads, which is all this protocol needs. ARM (Apple Silicon, Graviton, ...)
+may reorder both, and Python offers no memory fences, so on such a CPU a
+receiver could see the new ``sent`` before the data: ``allocate_mailboxes``
+refuses to start there and says to use ``transport="pipe"``.
 
 Waiting: a tight spin first (lowest latency when each rank has its own core),
 then ``time.sleep(0)`` (yields the GIL and the CPU), then short sleeps, so that
-more ranks than cores still make progress.
+more ranks than cores still make progress. While sleeping, the waiter looks
+now and then at the peer's row in the presence table (``presence.py``): a peer
+that has closed its communicator or whose process is gone raises ``PeerError``
+instead of a wait that never ends.
+
+This module is the teaching path: ``MailboxComm`` moves every message through
+``Communicator``'s generic protocol (header check, statistics, queues).
+``shm_fastpath.ShmComm``, what ``transport="shm"`` runs, adds a shortcut for
+messages that fit in one slot, and ``shm_workspace`` the block that all ranks share.
 """
 
 from __future__ import annotations
@@ -35,23 +46,29 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from ..comm import HEADER_INTS, KIND_DATA, Communicator, CompletedWork, encode_header
+from ..comm import HEADER_INTS, Communicator
 from ..errors import PeerError
+from .presence import PeerPresence, allocate_presence
+from .shm_workspace import SLOT_BYTES, SharedWorkspace, allocate_workspace
 
 CTRL_BYTES = 256  # sent at byte 0, acked at byte 128: separate cache lines
 SLOT_HEADER_INTS = 32
 DEFAULT_CHUNK = int(os.environ.get("MINIDIST_SHM_CHUNK", 1 << 21))  # 2 MiB
 DEFAULT_SLOTS = int(os.environ.get("MINIDIST_SHM_SLOTS", 4))
-WORKSPACE_SLOT = int(os.environ.get("MINIDIST_SHM_WORKSPACE_SLOT", 8 << 20))  # per rank, x2 buffers
 TORCH_COPY_ABOVE = 1 << 16
 HEADER_BYTES = HEADER_INTS * 8
+TAG_INT = 4  # where encode_header puts the tag
 LENGTH_INT, DIGEST_INT = HEADER_INTS, HEADER_INTS + 1  # slot header: 20 ints, length, digest
-memmove = ctypes.memmove  # torch's copy_ releases the GIL; numpy is faster for small
+#: CPUs whose memory model keeps stores in order (total store order), as the mailboxes need
+STORE_ORDERED_MACHINES = ("x86_64", "amd64", "i386", "i686", "x86")
+PRESENCE_CHECK_EVERY = 0.01  # seconds between looks at a silent peer's presence row
 
 
 def header_digest(header: np.ndarray) -> int:
@@ -59,30 +76,47 @@ def header_digest(header: np.ndarray) -> int:
     return int.from_bytes(hashlib.blake2b(header.tobytes(), digest_size=8).digest(), "little", signed=True)
 
 
+def require_store_order() -> None:
+    """Refuse to run the mailboxes on a CPU that may reorder stores (see the module docstring)."""
+    machine = platform.machine()
+    if machine.lower() not in STORE_ORDERED_MACHINES:
+        raise ValueError(
+            f"transport='shm' needs an x86-64 CPU, whose stores become visible in program order; "
+            f"this machine is {machine!r} (ARM, e.g. Apple Silicon, may reorder them, and a rank "
+            "could read a message before its bytes arrive). Use transport='pipe' (or 'torch')."
+        )
+
+
 def mailbox_bytes(chunk: int = DEFAULT_CHUNK, slots: int = DEFAULT_SLOTS) -> int:
     return CTRL_BYTES + slots * SLOT_HEADER_INTS * 8 + slots * chunk
 
 
-def allocate_mailboxes(world_size: int, chunk: int = DEFAULT_CHUNK, slots: int = DEFAULT_SLOTS):
-    """Create the shared blocks for every ordered pair. Called by the launcher.
+def allocate_mailboxes(
+    world_size: int, chunk: int = DEFAULT_CHUNK, slots: int = DEFAULT_SLOTS, workspace_slot: int = SLOT_BYTES
+):
+    """Create the shared blocks for every ordered pair, the workspace and the presence table.
 
-    ``UntypedStorage._new_shared`` maps a shared-memory file without touching
-    its pages, so memory is committed only for pairs that actually talk. With
-    torch's default ``file_descriptor`` sharing strategy the file has no name
-    in /dev/shm: nothing can leak, even if every process is killed.
+    Called by the launcher. ``UntypedStorage._new_shared`` maps a shared-memory
+    file without touching its pages, so memory is committed only for pairs that
+    actually talk. With torch's default ``file_descriptor`` sharing strategy the
+    file has no name in /dev/shm: nothing can leak, even if every process is killed.
     """
+    require_store_order()
     size = mailbox_bytes(chunk, slots)
     boxes = {}
-    # one more block that all ranks share, for the shared-memory collectives
-    # (its layout belongs to minidist.collectives.shm_allreduce)
-    workspace_bytes = 2 * world_size * WORKSPACE_SLOT + 4096 * (1 + world_size)
-    workspace = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(workspace_bytes))
     for src in range(world_size):
         for dst in range(world_size):
             if src != dst:
                 storage = torch.UntypedStorage._new_shared(size)
                 boxes[(src, dst)] = torch.empty(0, dtype=torch.uint8).set_(storage)
-    return {"boxes": boxes, "chunk": chunk, "slots": slots, "workspace": workspace}
+    return {
+        "boxes": boxes,
+        "chunk": chunk,
+        "slots": slots,
+        "workspace": allocate_workspace(world_size, workspace_slot),
+        "workspace_slot": workspace_slot,
+        "presence": allocate_presence(world_size),
+    }
 
 
 class _Mailbox:
@@ -105,7 +139,7 @@ class _Mailbox:
         self.local = 0  # chunks this side has sent (outbox) or consumed (inbox)
 
 
-class ShmComm(Communicator):
+class MailboxComm(Communicator):
     """Point-to-point over shared-memory mailboxes (see the module docstring)."""
 
     name = "shm"
@@ -115,131 +149,41 @@ class ShmComm(Communicator):
         self.chunk = resources["chunk"]
         self.slots = resources["slots"]
         boxes = resources["boxes"]
-        self.workspace = resources.get("workspace")  # for collectives.shm_allreduce
         self._out = {
             d: _Mailbox(boxes[(rank, d)], self.chunk, self.slots) for d in range(world_size) if d != rank
         }
         self._in = {
             s: _Mailbox(boxes[(s, rank)], self.chunk, self.slots) for s in range(world_size) if s != rank
         }
+        block = resources.get("workspace")
+        self._workspace = (
+            None
+            if block is None
+            else SharedWorkspace(block, world_size, resources.get("workspace_slot", SLOT_BYTES))
+        )
+        table = resources.get("presence")
+        self._presence = None if table is None else PeerPresence(table, rank)
+        if self._presence is not None:
+            self._presence.arrive()
         # spin long only if every rank can have a core of its own
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self._spin = 5000 if world_size <= cores else 200  # ~0.25 ms, then yield
-        self._header_cache: dict = {}
-        self._fast_stats = [0, 0, 0, 0]  # bytes/messages sent, bytes/messages received
-
-    # --- the fast path: one contiguous CPU tensor that fits in one slot ----------
-    # Every nanosecond of Python counts at 1 KiB, so send/recv skip the generic
-    # machinery of Communicator (which they fall back to for anything unusual:
-    # bad peers, queued async operations, mismatches, big or non-contiguous tensors).
-    def _slot_header(self, tensor: torch.Tensor, tag: int = 0) -> tuple[bytes, int]:
-        """(slot header as send writes it, its 64-bit digest as recv compares it).
-
-        The digest (blake2b of the 20-integer header) lets recv check shape and
-        dtype with one integer comparison; any mismatch falls back to the
-        generic path, which compares the full header and explains the error.
-        """
-        key = (tensor.dtype, tensor.shape, tag)
-        cached = self._header_cache.get(key)
-        if cached is None:
-            header = encode_header(KIND_DATA, tensor, tag)
-            digest = header_digest(header)
-            ints = np.array([*header, header[2], digest], dtype=np.int64)
-            cached = (ints.tobytes(), digest)
-            if len(self._header_cache) < 256:
-                self._header_cache[key] = cached
-        return cached
-
-    def send(self, tensor, dst, tag=0):
-        box = self._out.get(dst) if type(dst) is int else None
-        if box is not None and type(tensor) is torch.Tensor:
-            nbytes = tensor.nbytes
-            if (
-                nbytes <= self.chunk
-                and not tensor.is_cuda
-                and tensor.is_contiguous()
-                and (not self._send_queues or self._idle(self._send_queues, dst))
-            ):
-                sent = box.local
-                if box.acked.value <= sent - self.slots:
-                    self._wait_at_least(
-                        box.acked, sent - self.slots + 1, dst, "a free slot in the mailbox to"
-                    )
-                slot = sent % self.slots
-                header = (
-                    self._header_cache.get((tensor.dtype, tensor.shape, tag))
-                    or self._slot_header(tensor, tag)
-                )[0]
-                if box.last_written[slot] is not header:  # same shape as last time: already there
-                    memmove(box.header_addr[slot], header, len(header))
-                    box.last_written[slot] = header
-                if nbytes:
-                    memmove(box.data_addr[slot], tensor.data_ptr(), nbytes)
-                box.local = sent + 1
-                box.sent.value = sent + 1  # publish
-                self._fast_stats[0] += nbytes
-                self._fast_stats[1] += 1
-                return
-        super().send(tensor, dst, tag)
-
-    def recv(self, tensor, src, tag=0):
-        box = self._in.get(src) if type(src) is int else None
-        if box is not None and type(tensor) is torch.Tensor:
-            nbytes = tensor.nbytes
-            if (
-                nbytes <= self.chunk
-                and not tensor.is_cuda
-                and tensor.is_contiguous()
-                and (not self._recv_queues or self._idle(self._recv_queues, src))
-            ):
-                acked = box.local
-                if box.sent.value <= acked:
-                    self._wait_at_least(box.sent, acked + 1, src, "a message from")
-                slot = acked % self.slots
-                expected = self._header_cache.get((tensor.dtype, tensor.shape, tag)) or self._slot_header(
-                    tensor, tag
-                )
-                if box.digest[slot].value == expected[1]:
-                    if nbytes:
-                        memmove(tensor.data_ptr(), box.data_addr[slot], nbytes)
-                    box.local = acked + 1
-                    box.acked.value = acked + 1  # release the slot
-                    self._fast_stats[2] += nbytes
-                    self._fast_stats[3] += 1
-                    return tensor
-        return super().recv(tensor, src, tag)  # also produces the error message on a mismatch
-
-    def isend(self, tensor, dst, tag=0):
-        """Eager when possible: a small message and a free slot mean the send cannot block,
-        so it is done right here, without handing it to a background thread."""
-        box = self._out.get(dst) if type(dst) is int else None
-        if (
-            box is not None
-            and type(tensor) is torch.Tensor
-            and not tensor.is_cuda
-            and tensor.is_contiguous()
-            and tensor.nbytes <= self.chunk
-            and box.acked.value > box.local - self.slots
-            and (not self._send_queues or self._idle(self._send_queues, dst))
-        ):
-            self.send(tensor, dst, tag)
-            return CompletedWork(tensor)
-        return super().isend(tensor, dst, tag)
 
     @property
-    def stats(self):
-        # The fast path counts without a lock (send/recv from one thread at a time,
-        # as with MPI_THREAD_FUNNELED); the queued path counts in the base class.
-        merged = super().stats
-        merged.bytes_sent += self._fast_stats[0]
-        merged.messages_sent += self._fast_stats[1]
-        merged.bytes_received += self._fast_stats[2]
-        merged.messages_received += self._fast_stats[3]
-        return merged
+    def shared_workspace(self) -> SharedWorkspace | None:
+        """The block every rank maps (for ``collectives.shm_allreduce``)."""
+        return self._workspace
 
-    def reset_stats(self):
-        super().reset_stats()
-        self._fast_stats[:] = [0, 0, 0, 0]
+    def peek_tag(self, src: int) -> int | None:
+        """The tag of the next message from ``src`` not yet received, or None if there is none.
+
+        Lets a rank waiting somewhere else (e.g. in the workspace allreduce) see
+        that ``src`` is in a different operation.
+        """
+        box = self._in.get(src)
+        if box is None or box.sent.value <= box.local:
+            return None
+        return int(box.headers[box.local % self.slots, TAG_INT])
 
     def _threads_busy(self) -> bool:
         for queues in (self._send_queues, self._recv_queues):
@@ -248,18 +192,19 @@ class ShmComm(Communicator):
                     return True
         return False
 
-    @staticmethod
-    def _idle(queues, peer) -> bool:
-        peer_queue = queues.get(peer)
-        return peer_queue is None or peer_queue.pending == 0
-
-    def _wait_at_least(self, counter, value: int, peer: int, what: str) -> None:
+    def wait_at_least(
+        self, counter, value: int, peer: int, what: str, check: Callable[[], None] | None = None
+    ) -> None:
         """Wait until ``counter.value >= value`` (spin, then yield, then sleep).
 
         A spinning thread holds the GIL: while an isend/irecv is running in one of
         our background threads, spin only briefly and then yield with sleep(0),
         or that thread would wait up to the interpreter's 5 ms switch interval
         before it may copy its next chunk.
+
+        In the sleeping phase, every ``PRESENCE_CHECK_EVERY`` seconds, ``peer``'s
+        presence is checked (``PeerError`` if it is gone) and ``check()`` is
+        called, if given (it raises to end the wait).
         """
         spin = self._spin if not self._threads_busy() else 20
         while counter.value < value:
@@ -270,17 +215,31 @@ class ShmComm(Communicator):
             return
         start = time.monotonic()
         deadline = self._deadline()
+        next_look = start + 0.002
         pause = 0.0
         while counter.value < value:
             time.sleep(pause)
             now = time.monotonic()
             if now - start > 0.002:  # nothing for 2 ms: stop burning the CPU
                 pause = min(1e-3, max(pause * 2, 2e-5))
+            if now >= next_look:
+                next_look = now + PRESENCE_CHECK_EVERY
+                self._raise_if_gone(counter, value, peer, what, now - start)
+                if check is not None:
+                    check()
             if now > deadline:
                 raise PeerError(
                     f"rank {self.rank} waited {now - start:.1f} s for {what} rank {peer} "
                     f"(timeout {self.timeout} s): is rank {peer} alive and doing the matching call?"
                 )
+
+    def _raise_if_gone(self, counter, value: int, peer: int, what: str, waited: float) -> None:
+        absence = None if self._presence is None else self._presence.absence(peer)
+        if absence is not None and counter.value < value:  # read again: it may have just arrived
+            raise PeerError(
+                f"rank {self.rank} was waiting for {what} rank {peer}, but rank {peer} {absence}; "
+                f"waited {waited:.2f} s. Every rank must make the matching calls before it returns."
+            )
 
     def _send_message(self, header, payload, dst):
         box = self._out[dst]
@@ -291,7 +250,7 @@ class ShmComm(Communicator):
         digest = header_digest(header)
         sent = box.local
         for offset in range(0, max(n, 1), chunk):
-            self._wait_at_least(box.acked, sent - slots + 1, dst, "a free slot in the mailbox to")
+            self.wait_at_least(box.acked, sent - slots + 1, dst, "a free slot in the mailbox to")
             slot = sent % slots
             length = min(chunk, n - offset)
             box.headers[slot, :HEADER_INTS] = header
@@ -308,7 +267,7 @@ class ShmComm(Communicator):
 
     def _recv_header(self, src):
         box = self._in[src]
-        self._wait_at_least(box.sent, box.local + 1, src, "a message from")
+        self.wait_at_least(box.sent, box.local + 1, src, "a message from")
         return box.headers[box.local % self.slots, :HEADER_INTS].copy()
 
     def _recv_payload(self, out, header, src):
@@ -319,7 +278,7 @@ class ShmComm(Communicator):
         chunk, slots = self.chunk, self.slots
         acked = box.local
         for offset in range(0, max(n, 1), chunk):
-            self._wait_at_least(box.sent, acked + 1, src, "the rest of a message from")
+            self.wait_at_least(box.sent, acked + 1, src, "the rest of a message from")
             slot = acked % slots
             length = min(chunk, n - offset)
             if use_torch:
@@ -332,5 +291,17 @@ class ShmComm(Communicator):
 
     def close(self):
         super().close()
+        if self._presence is not None:
+            self._presence.leave()  # a peer still waiting for us now gets a PeerError
         self._out.clear()
         self._in.clear()
+
+
+def __getattr__(name: str):
+    """``from minidist.transport.shm import ShmComm`` keeps working: the class that
+    adds the fast path lives in ``shm_fastpath`` (which imports this module)."""
+    if name == "ShmComm":
+        from .shm_fastpath import ShmComm
+
+        return ShmComm
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
