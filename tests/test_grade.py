@@ -254,6 +254,80 @@ def test_similarity_flags_a_copy_of_ring_py_and_not_the_solution_or_the_examples
     assert similarity.best_match(renamed, library, grading.GIVEN_FUNCTIONS).flagged
 
 
+# --- the budget checks, on made-up reports --------------------------------------------------
+def ring_traffic(p: int, numel: int, itemsize: int) -> list[dict]:
+    """Per-rank reports of a textbook ring allreduce, simulated here: chunk c has numel/p elements."""
+    sizes = [numel // p + (1 if c < numel % p else 0) for c in range(p)]
+    traffic = [{key: [0] * p for key in hidden.TRAFFIC_KEYS} for _ in range(p)]
+    for phase_first in (1, 0):  # reduce-scatter sends chunk r - s - 1, allgather chunk r - s
+        for step in range(p - 1):
+            for rank in range(p):
+                right, chunk = (rank + 1) % p, (rank - step - phase_first) % p
+                traffic[rank]["sent_messages"][right] += 1
+                traffic[rank]["sent_bytes"][right] += sizes[chunk] * itemsize
+                traffic[right]["received_messages"][rank] += 1
+                traffic[right]["received_bytes"][rank] += sizes[chunk] * itemsize
+    for t in traffic:
+        t["library_bytes"] = [sum(t["sent_bytes"]), sum(t["received_bytes"])]
+    return traffic
+
+
+def budget_failure(p: int, case: dict, traffic: list[dict]) -> str:
+    outs = [[{"result": None, "traffic": t}] for t in traffic]
+    with pytest.raises(pytest.fail.Exception) as failure:
+        hidden.check_ring_allreduce_budget(p, [case], outs)
+    return str(failure.value)
+
+
+def test_the_ring_budget_is_exact_and_its_counters_are_cross_checked():
+    p, case = 4, {"shape": (1001,), "seed": 0}
+    textbook = ring_traffic(p, 1001, 4)
+    hidden.check_ring_allreduce_budget(p, [case], [[{"result": None, "traffic": t}] for t in textbook])
+
+    fewer = ring_traffic(p, 1001, 4)  # e.g. data moved through shared memory instead of messages
+    for t in fewer:
+        t["sent_bytes"] = [b // 2 for b in t["sent_bytes"]]
+        t["received_bytes"] = [b // 2 for b in t["received_bytes"]]
+        t["library_bytes"] = [sum(t["sent_bytes"]), sum(t["received_bytes"])]
+    assert "under the exact count" in budget_failure(p, case, fewer)
+
+    extra = ring_traffic(p, 1001, 4)  # one more message from every rank, to its right neighbour
+    for rank, t in enumerate(extra):
+        t["sent_messages"][(rank + 1) % p] += 1
+        extra[(rank + 1) % p]["received_messages"][rank] += 1
+    assert "messages sent = 7, over the budget of 6" in budget_failure(p, case, extra)
+
+    forged = ring_traffic(p, 1001, 4)  # one rank's counters rewritten, its peers' not
+    forged[0]["sent_bytes"][1] -= 4
+    assert "were changed by the submission" in budget_failure(p, case, forged)
+
+    around = ring_traffic(p, 1001, 4)  # the transport moved bytes the wrapper never saw
+    around[2]["library_bytes"][0] += 4004
+    assert "went around it" in budget_failure(p, case, around)
+
+    star = ring_traffic(p, 1001, 4)  # everything to rank 0 and back, counted honestly
+    for t in star:
+        for key in hidden.TRAFFIC_KEYS:
+            t[key] = [0] * p
+    for rank in range(1, p):
+        for a, b in ((rank, 0), (0, rank)):
+            star[a]["sent_messages"][b] += 1
+            star[a]["sent_bytes"][b] += 4004
+            star[b]["received_messages"][a] += 1
+            star[b]["received_bytes"][a] += 4004
+    for t in star:
+        t["library_bytes"] = [sum(t["sent_bytes"]), sum(t["received_bytes"])]
+    message = budget_failure(p, case, star)
+    assert "rank 0" in message and "over the budget" in message
+
+
+def test_the_tree_budget_follows_the_docstring_tree_per_rank():
+    # p = 6, rounds 0 -> 1 | 0 -> 2, 1 -> 3 | 0 -> 4, 1 -> 5 (2 -> 6 does not exist)
+    assert [hidden.binomial_tree_sends(6, v) for v in range(6)] == [3, 2, 0, 0, 0, 0]
+    assert [hidden.binomial_tree_sends(8, v) for v in range(8)] == [3, 2, 1, 1, 0, 0, 0, 0]
+    assert hidden.chunk_range(10, 4, 3, 4) == (24, 36)
+
+
 # --- the wire format ---------------------------------------------------------------------------
 def test_wire_round_trip_and_refusals(tmp_path):
     values = {
