@@ -121,4 +121,7 @@ def test_the_solution_scores_full_marks_the_stub_zero_and_the_examples_their_sco
     )
     row = gradebook(tmp_path / "out-dave")["dave"]
     assert (row["score"], row["max_score"]) == ("6", "9"), row
-    assert "did not finish within 3 s" in (tmp_path / "out-dave" / "dave" / "feedback.md").read_text()
+    # a server waiting for a worker that returned without DONE hangs until the test timeout, or, when
+    # the transport tells it that the worker has closed its communicator, fails at once
+    feedback = (tmp_path / "out-dave" / "dave" / "feedback.md").read_text()
+    assert "did not finish within 3 s" in feedback or "has closed its communicator" in feedback, feedback
