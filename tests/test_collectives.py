@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -344,6 +345,46 @@ def test_cost_model_prefers_few_rounds_when_small_and_few_bytes_when_large():
     assert cost_model.fastest_allreduce(7, 1 << 28, model) == "ring"
     changes = cost_model.crossovers(7, model, [2**k for k in range(6, 30)])
     assert changes and changes[-1][2] == "ring"
+
+
+LIB = Path(md.__file__).parents[1]  # the source root, lib/
+
+
+def _minidist_imports(path: Path) -> set[str]:
+    """Every minidist module ``path`` imports, at the top or inside a function."""
+    import ast
+
+    package = ["minidist", *path.relative_to(LIB / "minidist").parent.parts]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            found.add(".".join([*base, *(node.module or "").split(".")]).strip("."))
+    return {name for name in found if name.startswith("minidist")}
+
+
+@pytest.mark.parametrize(
+    "folder, forbidden",
+    [
+        ("transport", ("collectives", "parallel", "glove", "bench")),
+        ("collectives", ("launch", "parallel", "glove", "bench")),
+    ],
+)
+def test_lower_layers_never_import_higher_ones(folder, forbidden):
+    """E.g. the cost model takes its measurements as arguments; measuring lives in bench."""
+    for path in sorted((LIB / "minidist" / folder).glob("*.py")):
+        bad = {name for name in _minidist_imports(path) if name.split(".")[1:2] in [[f] for f in forbidden]}
+        assert not bad, f"{path.name} imports {sorted(bad)}"
+
+
+def test_cost_model_measure_moved_to_bench():
+    from minidist.bench.p2p import measure_alpha_beta
+
+    assert callable(measure_alpha_beta)
+    with pytest.raises(AttributeError, match="bench.p2p.measure_alpha_beta"):
+        cost_model.measure("shm")
 
 
 def test_alpha_beta_fit_recovers_a_line():

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import platform
+import subprocess
+import sys
+import threading
+
 import pytest
 import torch
 
 import minidist as md
+import peer_workers
 import workers
+from minidist import CommStats, PeerError
 from minidist.transport import ShmComm, share_with_rank
+from minidist.transport.presence import PeerPresence
 from minidist.transport.shm import DEFAULT_CHUNK, allocate_mailboxes
 
 TRANSPORTS = ["pipe", "shm", "torch"]
@@ -157,3 +165,108 @@ def test_tags_must_match(transport):
     with pytest.raises(md.WorkerError) as info:
         md.launch(workers.tagged, 2, args=(8,), transport=transport, timeout=30)
     assert info.value.exc_type == "MessageMismatch" and "tags differ" in str(info.value)
+
+
+def _shm_comms(world_size: int, **sizes):
+    shared = allocate_mailboxes(world_size, **sizes)
+    return shared, [
+        ShmComm(r, world_size, share_with_rank("shm", shared, r, world_size)) for r in range(world_size)
+    ]
+
+
+def test_stats_are_exact_when_several_threads_send_and_receive():
+    """Rank 0 receives from ranks 1 and 2 on two threads (as an Inbox does) and sends to
+    them on two more; the counters are the sums, message for message."""
+    _, comms = _shm_comms(3, chunk=4096, slots=4)
+    count, numel = 4000, 4
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show up
+    try:
+        jobs = []
+        for peer in (1, 2):
+            jobs += [
+                (comms[peer].send, peer, 0),
+                (comms[0].recv, 0, peer),
+                (comms[0].send, 0, peer),
+                (comms[peer].recv, peer, 0),
+            ]
+
+        def run(operation, _me, other):
+            buffer = torch.ones(numel)
+            for _ in range(count):
+                operation(buffer, other)
+
+        threads = [threading.Thread(target=run, args=job) for job in jobs]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(switch)
+    every = 2 * count
+    assert comms[0].stats == CommStats(
+        bytes_sent=every * numel * 4,
+        messages_sent=every,
+        bytes_received=every * numel * 4,
+        messages_received=every,
+    )
+    for comm in comms:
+        comm.close()
+
+
+@pytest.mark.parametrize("reaped", [False, True])
+def test_a_killed_peer_ends_a_shm_wait_without_any_timeout(reaped):
+    """Rank 1 is a process that gets killed while rank 0 waits for its message;
+    rank 0 has no per-operation timeout, as under md.launch, and must raise PeerError."""
+    shared, comms = _shm_comms(2, chunk=4096, slots=2)
+    comms[1].close()  # rank 1 is played by another process from here on
+    stand_in = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        PeerPresence(shared["presence"], 1).arrive(pid=stand_in.pid)
+        errors = []
+
+        def wait_for_rank_1():
+            try:
+                comms[0].recv(torch.zeros(4), 1)
+            except PeerError as error:
+                errors.append(str(error))
+
+        comms[0].timeout = 120.0  # only a guard against a hang: it would say "timeout"
+        waiter = threading.Thread(target=wait_for_rank_1)
+        waiter.start()
+        stand_in.kill()
+        if reaped:
+            stand_in.wait()  # gone entirely; otherwise a zombie, dead but not reaped
+        waiter.join()
+    finally:
+        stand_in.kill()
+        stand_in.wait()
+    assert len(errors) == 1 and "rank 1" in errors[0] and "is gone" in errors[0], errors
+    comms[0].close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "pipe"])
+@pytest.mark.parametrize(
+    "operation, peer", [("recv", 1), ("send", 1), ("barrier", None), ("allreduce", None), ("inbox", None)]
+)
+def test_waiting_on_a_peer_that_returned_raises_peer_error(transport, operation, peer):
+    """Ranks 1 and 2 return at once; rank 0 then waits on them (on two threads for the
+    inbox). Under md.launch there is no per-operation timeout, and nothing kills rank 0:
+    only noticing that the peer is gone ends the wait."""
+    outs = md.launch(
+        peer_workers.wait_for_peers_that_left, 3, args=(operation,), transport=transport, timeout=60
+    )
+    kind, message, cause = outs[0]
+    if operation == "inbox":  # the Inbox re-raises its listener's error
+        assert kind == "RuntimeError" and cause == "PeerError", outs[0]
+    else:  # it names the rank it waited for (barrier, allreduce: whichever it met first)
+        assert kind == "PeerError", outs[0]
+        assert any(f"rank {r}" in message for r in ([peer] if peer else [1, 2])), message
+
+
+def test_shm_refuses_a_cpu_that_may_reorder_stores(monkeypatch):
+    monkeypatch.setattr(platform, "machine", lambda: "arm64")
+    with pytest.raises(ValueError, match="transport='pipe'") as info:
+        md.launch(workers.identity, 2, transport="shm", timeout=30)
+    assert "arm64" in str(info.value)
+    assert md.launch(workers.identity, 2, transport="pipe", timeout=30) is not None

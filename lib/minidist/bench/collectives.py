@@ -131,15 +131,16 @@ def _crossovers(seconds, sizes, world_size, transports) -> dict:
     """Measured vs predicted best point-to-point algorithm per size, per transport.
 
     The prediction uses alpha and beta fitted to a ping-pong on this machine
-    (``cost_model.measure``) and the formulas in ``cost_model.predict``.
+    (``p2p.measure_alpha_beta``) and the formulas in ``cost_model.predict``.
     """
     from ..collectives import cost_model
+    from .p2p import measure_alpha_beta
 
     report = {}
     print()
     for transport in transports:
         algorithms = [a for a in TRANSPORT_ALGORITHMS[transport] if a != "shm"]
-        model = cost_model.measure(transport, sizes=[KIB, 16 * KIB, 256 * KIB, 4 * MIB], repeats=2)
+        model = measure_alpha_beta(transport, sizes=[KIB, 16 * KIB, 256 * KIB, 4 * MIB], repeats=2)
         measured = [min(algorithms, key=lambda a: seconds[f"{a}/{transport}"][s]) for s in sizes]
         predicted = [
             min(algorithms, key=lambda a: cost_model.predict(a, world_size, s, model)) for s in sizes

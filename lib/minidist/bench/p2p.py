@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from ..collectives.cost_model import AlphaBeta, fit_alpha_beta
 from ._util import KIB, MIB, human_bytes, new_figure, out_dir, print_table, save_json, size_range
 
 
@@ -63,6 +64,24 @@ def pingpong_worker(comm, sizes: list[int], repeats: int, with_gloo: bool, scale
                 repeats,
             )
     return out
+
+
+def measure_alpha_beta(transport: str = "shm", sizes=None, repeats: int = 3) -> AlphaBeta:
+    """Fit the cost model's alpha (latency) and beta (seconds per byte) to a 2-rank
+    ping-pong on this machine; starts 2 workers with ``md.launch``.
+
+    The fit is ``cost_model.fit_alpha_beta`` (least squares in relative error), so a
+    1 KiB message counts as much as a 16 MiB one. gamma keeps its default.
+    """
+    import minidist as md
+
+    sizes = sizes or [1 << k for k in range(10, 25, 2)]
+    result = md.launch(
+        pingpong_worker, 2, args=(sizes, repeats, False, 0.2), transport=transport, timeout=300
+    )
+    seconds = result[0]["ours"]
+    alpha, beta = fit_alpha_beta(list(seconds), list(seconds.values()))
+    return AlphaBeta(alpha=max(alpha, 1e-7), beta=max(beta, 1e-13))
 
 
 def run(
