@@ -141,6 +141,11 @@ def install(modules: tuple[str, ...], names: tuple[str, ...], instead: str) -> N
             source = getattr(module, "__file__", None)
             if source:
                 _guarded_files.add(os.path.realpath(source))
+            for folder in getattr(module, "__path__", []):  # a package: its modules not loaded yet too
+                for root, _, files in os.walk(folder):
+                    _guarded_files.update(
+                        os.path.realpath(os.path.join(root, f)) for f in files if f.endswith(".py")
+                    )
     for dotted in names:
         value = _resolve(dotted)
         value = getattr(value, "__wrapped__", value)  # the real function behind a decorator

@@ -26,8 +26,9 @@ in bytes, ``alpha`` the latency of one message and ``beta`` the time per byte, s
 of ``m`` bytes costs ``alpha + m * beta``.
 
 The tests do not only check the values: they read ``comm.stats`` around each call and check
-that every rank sends no more bytes and messages than the algorithm needs. A ring allreduce
-that gathers everything on rank 0 and broadcasts the sum is correct, and still fails.
+that every rank sends exactly the bytes and messages the algorithm of the docstring sends. A
+ring allreduce that gathers everything on rank 0 and broadcasts the sum is correct, and still
+fails. Calling the library's collectives (``md.allreduce`` and friends) or torch's scores 0.
 
 Work on this file, then run the public tests from this folder::
 
