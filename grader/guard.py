@@ -41,23 +41,36 @@ def refusal_message(name: str, instead: str) -> str:
     )
 
 
+_PLACEHOLDER = "\0refusal\0"
+_templates: dict[tuple[str, ...], types.CodeType] = {}
+
+
 def _refusing_code(function: types.FunctionType, message: str) -> types.CodeType:
-    """Code for ``function`` that raises ``PermissionError(message)``; same number of free variables."""
+    """Code for ``function`` that raises ``PermissionError(message)``; same number of free variables.
+
+    One template is compiled per tuple of free variable names; each function gets a copy with
+    its own message, name and qualified name (``CodeType.replace``, no compiling).
+    """
     free = function.__code__.co_freevars
-    cells = "".join(f"    {name} = None\n" for name in free)
-    uses = f"        ({', '.join(free)},)\n" if free else ""
-    source = (
-        "def _outer():\n"
-        f"{cells}"
-        "    def _refused(*args, **kwargs):\n"
-        f"{uses}"
-        f"        raise PermissionError({message!r})\n"
-        "    return _refused\n"
+    if free not in _templates:
+        cells = "".join(f"    {name} = None\n" for name in free)
+        uses = f"        ({', '.join(free)},)\n" if free else ""
+        source = (
+            "def _outer():\n"
+            f"{cells}"
+            "    def _refused(*args, **kwargs):\n"
+            f"{uses}"
+            f"        raise PermissionError({_PLACEHOLDER!r})\n"
+            "    return _refused\n"
+        )
+        namespace: dict = {}
+        exec(compile(source, "<grader guard>", "exec"), namespace)  # the guard's own code, not the student's
+        _templates[free] = namespace["_outer"]().__code__
+    template = _templates[free]
+    consts = tuple(message if c == _PLACEHOLDER else c for c in template.co_consts)
+    return template.replace(
+        co_consts=consts, co_name=function.__code__.co_name, co_qualname=function.__code__.co_qualname
     )
-    namespace: dict = {}
-    exec(compile(source, "<grader guard>", "exec"), namespace)  # the guard's own code, not the student's
-    code = namespace["_outer"]().__code__
-    return code.replace(co_name=function.__code__.co_name, co_qualname=function.__code__.co_qualname)
 
 
 def _neuter(function: types.FunctionType, name: str, instead: str) -> None:
@@ -107,17 +120,17 @@ def _audit(event: str, args: tuple) -> None:
 
 
 def _resolve(dotted: str):
-    """The object a dotted name points at (importing its module), or None if there is none."""
+    """The object a dotted name points at (loaded modules are attributes of their package), or None."""
     parts = dotted.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            value = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for attribute in parts[cut:]:
-            value = getattr(value, attribute, None)
-        return value
-    return None
+    try:
+        value = importlib.import_module(parts[0])
+    except ImportError:
+        return None
+    for attribute in parts[1:]:
+        value = getattr(value, attribute, None)
+        if value is None:
+            return None
+    return value
 
 
 def install(modules: tuple[str, ...], names: tuple[str, ...], instead: str) -> None:
@@ -147,13 +160,11 @@ def install(modules: tuple[str, ...], names: tuple[str, ...], instead: str) -> N
                         os.path.realpath(os.path.join(root, f)) for f in files if f.endswith(".py")
                     )
     for dotted in names:
-        value = _resolve(dotted)
-        value = getattr(value, "__wrapped__", value)  # the real function behind a decorator
-        if isinstance(value, types.FunctionType):
-            to_neuter.append((dotted, value))
         outer = _resolve(dotted)
-        if isinstance(outer, types.FunctionType) and outer is not value:
-            to_neuter.append((dotted, outer))
+        inner = getattr(outer, "__wrapped__", None)  # the real function behind a decorator
+        for value in (outer, inner):
+            if isinstance(value, types.FunctionType):
+                to_neuter.append((dotted, value))
     for name, function in to_neuter:
         _neuter(function, name, instead)
     sys.meta_path.insert(0, _RefuseImports(modules, instead))
