@@ -17,6 +17,7 @@ from minidist import glove
 from minidist.glove.model import batch_step, init_gradsq, init_table
 from minidist.glove.trainers import model_parallel
 from minidist.glove.trainers.common import batch_slices, split, training_order
+from minidist.glove.trainers.hogwild import count_row_updates, lost_updates
 
 CONFIG = glove.GloveConfig(epochs=2, batch_size=512, seed=3)
 pytestmark = pytest.mark.timeout(180)
@@ -204,9 +205,40 @@ def test_hogwild_with_one_worker_equals_single(pairs, single):
 
 
 def test_hogwild_converges_like_single(pairs, single):
-    result = glove.train_hogwild(pairs, CONFIG, workers=2, timeout=120)
+    result = glove.train_hogwild(pairs, CONFIG, workers=2, timeout=120, count_lost_updates=True)
     assert result.pairs_trained == single.pairs_trained
     assert glove.full_loss(result.table, pairs) < 1.1 * glove.full_loss(single.table, pairs)
+    # How many are lost depends on timing (often none); races can only lose increments.
+    assert result.row_updates == 2 * len(pairs) * CONFIG.epochs
+    assert 0 <= result.lost_updates < result.row_updates
+    assert result.extra["lost_per_row"].min() >= 0
+    assert int(result.extra["lost_per_row"].sum()) == result.lost_updates
+
+
+def test_hogwild_with_one_worker_loses_no_update(pairs, single):
+    result = glove.train_hogwild(pairs, CONFIG, workers=1, timeout=120, count_lost_updates=True)
+    assert result.lost_updates == 0
+    assert result.row_updates == 2 * len(pairs) * CONFIG.epochs
+    assert not result.extra["lost_per_row"].any()
+    assert_same_training(result, single, atol=1e-6)  # counting does not change the training
+
+
+def test_lost_update_accounting_on_a_simulated_race():
+    """Two workers count overlapping row updates; worker 1 read the tally before worker 0
+    wrote it, so its write-back of row 2 erases worker 0's increment: exactly 1 lost."""
+    tally = torch.zeros(4, dtype=torch.int64)
+    rows_0, rows_1 = torch.tensor([1, 2]), torch.tensor([2, 3])
+    stale_read = tally.clone()  # worker 1 reads ...
+    count_row_updates(tally, rows_0)  # ... worker 0 reads, adds, writes ...
+    count_row_updates(stale_read, rows_1)  # ... worker 1 adds to what it read ...
+    tally[rows_1] = stale_read[rows_1]  # ... and writes back
+    assert tally.tolist() == [0, 1, 1, 1]
+    assert lost_updates(tally, row_updates=len(rows_0) + len(rows_1)) == 1
+    no_race = torch.zeros(4, dtype=torch.int64)
+    for rows in (rows_0, rows_1, torch.tensor([3, 3, 0])):  # one after the other, repeated rows too
+        count_row_updates(no_race, rows)
+    assert no_race.tolist() == [1, 1, 2, 3]
+    assert lost_updates(no_race, row_updates=7) == 0
 
 
 def test_quality_is_well_above_random_vectors(data):

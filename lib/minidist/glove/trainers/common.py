@@ -33,6 +33,8 @@ class TrainResult:
     workers: int = 1
     comm_bytes: int = 0  # payload bytes sent by all ranks together
     extra: dict = field(default_factory=dict)
+    row_updates: int | None = None  # Hogwild: table-row updates made (2 per pair per epoch)
+    lost_updates: int | None = None  # Hogwild with count_lost_updates=True: of those, lost to races
 
     @property
     def pairs_per_second(self) -> float:
@@ -46,9 +48,14 @@ class TrainResult:
         return embeddings(self.table, self.table.shape[0] // 2)
 
     def __repr__(self) -> str:
+        lost = (
+            ""
+            if self.lost_updates is None
+            else f", {self.lost_updates:,} of {self.row_updates:,} row updates lost"
+        )
         return (
             f"TrainResult({self.name}, {self.workers} worker(s): {self.pairs_per_second / 1e6:.2f}M pairs/s, "
-            f"loss {self.final_loss:.4f}, {self.comm_bytes / 2**20:.1f} MiB sent)"
+            f"loss {self.final_loss:.4f}, {self.comm_bytes / 2**20:.1f} MiB sent{lost})"
         )
 
 
