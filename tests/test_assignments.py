@@ -136,6 +136,23 @@ def test_the_byte_budget_catches_a_gather_and_broadcast_allreduce(tmp_path):
         assert "over the budget" in outcome.message and "rank 0" in outcome.message
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_public_budget_test_catches_a_gather_and_broadcast_allreduce(tmp_path):
+    folder = tmp_path / "cheat"  # the public tests beside the cheat, as a student would run them
+    folder.mkdir()
+    (folder / PUBLIC_TESTS).write_bytes((SOLUTION / PUBLIC_TESTS).read_bytes())
+    (folder / "collectives.py").write_bytes((CHEAT / "collectives.py").read_bytes())
+    outcomes, _ = run_pytest(tmp_path, folder, [folder / PUBLIC_TESTS], "-k", "ring_allreduce")
+    budget = {t: o for t, o in outcomes.items() if "exactly" in t}
+    values = {t: o for t, o in outcomes.items() if "exactly" not in t and "non_contiguous" not in t}
+    assert len(budget) == 2 and len(values) == 3
+    assert all(o.status == "passed" for o in values.values()), describe(values)
+    assert all(o.status == "failed" for o in budget.values()), describe(budget)
+    for outcome in budget.values():
+        assert "rank 0" in outcome.message and "sends exactly" in outcome.message, outcome.message
+
+
 def public_signatures(path: Path) -> dict[str, tuple]:
     """name -> (arguments, docstring) of every top-level function, read without importing."""
     tree = ast.parse(path.read_text())
