@@ -107,8 +107,7 @@ def step_bar(total: int, desc: str, show: bool) -> tqdm:
     For loops that do not advance one by one (a parameter-server worker may skip
     steps the others closed without it): move it with ``bar.update(new_step - bar.n)``
     and ``close()`` it at the end, which draws its final state. The lock is a thread
-    lock, as in ``epochs``.
+    lock, as in ``epochs`` -- also for a silent bar, which tqdm registers under its lock too.
     """
-    if show:
-        tqdm.set_lock(threading.RLock())
+    tqdm.set_lock(threading.RLock())
     return tqdm(total=total, desc=desc, unit="step", disable=not show)
