@@ -210,6 +210,10 @@ def test_silent_progress_bar_makes_no_process_semaphore():
 def test_parameter_server_rejects_bad_arguments(pairs):
     with pytest.raises(ValueError, match="mode"):
         glove.train_param_server(pairs, CONFIG, mode="eventual")
+    with pytest.raises(ValueError, match="at least one server"):
+        glove.train_param_server(pairs, CONFIG, servers=0)
+    with pytest.raises(ValueError, match="at least one server and one worker"):
+        glove.train_param_server(pairs, CONFIG, workers=0)
     with pytest.raises(ValueError, match="backup"):
         glove.train_param_server(pairs, CONFIG, workers=2, mode="sync", backup=2)
     with pytest.raises(ValueError, match="sync"):

@@ -354,26 +354,28 @@ def train_param_server(
     before computing, and ``slow_link_delay`` seconds before each push to servers 1, 2, ...
     (a slow link: server 0 may hear from it in time, the others late).
     The result's ``extra`` holds ``staleness`` (one value per applied push, all servers),
-    ``dropped`` (pushes a sync server discarded as too late), ``servers``, and
+    ``dropped`` (pushes a sync server discarded: too late, or not in server 0's quorum), ``servers``, and
     ``quorums``: per server, per sync step, the workers (0-based) whose gradients it applied.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if servers < 1 or workers < 1:
+        raise ValueError(f"need at least one server and one worker, got servers={servers}, workers={workers}")
     if not 0 <= backup < workers:
         raise ValueError(f"backup must be between 0 and workers - 1 = {workers - 1}, got {backup}")
     if backup and mode != "sync":
         raise ValueError("backup workers only make sense with mode='sync'")
     plan = ParamServerPlan(
-        config,
-        servers,
-        workers,
-        mode,
-        backup,
-        staleness_aware,
-        slow_worker,
-        slow_delay,
-        slow_link_delay,
-        progress,
+        config=config,
+        servers=servers,
+        workers=workers,
+        mode=mode,
+        backup=backup,
+        staleness_aware=staleness_aware,
+        slow_worker=slow_worker,
+        slow_delay=slow_delay,
+        slow_link_delay=slow_link_delay,
+        progress=progress,
     )
     order = training_order(pairs, config).share_memory_()
     outs = launch(
