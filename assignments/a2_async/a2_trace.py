@@ -74,15 +74,47 @@ def sequential(order: Pairs, config: GloveConfig = TOY_CONFIG) -> Run:
 
 
 # --- your code, in worker processes ----------------------------------------------------------
-def ps_rank(comm, order: Pairs, config: GloveConfig):
-    """Rank 0 runs your ``run_server``, the other ranks your ``ps_worker``."""
+def ps_rank(
+    comm, order: Pairs, config: GloveConfig, compute_seconds: float = 0.0, staleness_aware: bool = True
+):
+    """Rank 0 runs your ``run_server``, the other ranks your ``ps_worker``.
+
+    Two knobs for the notebook's experiments, applied to your module in this process only:
+
+    * ``compute_seconds``: every call of ``pair_gradients`` in your worker first sleeps that
+      long. It stands in for the forward and backward pass of a model bigger than the toy's,
+      which take milliseconds, not microseconds: long enough for the other workers to push
+      while this one computes. (A sleep, unlike real computing, leaves the core free, so one
+      server and several workers all make progress on two cores.)
+    * ``staleness_aware=False``: your server's ``staleness_aware_lr`` is replaced by one that
+      returns ``lr`` unchanged: plain asynchronous SGD, every push at the full rate.
+    """
     async_ps = importlib.import_module("async_ps")
+    if not staleness_aware:
+        async_ps.staleness_aware_lr = _full_rate
+    if compute_seconds > 0:
+        async_ps.pair_gradients = _taking_time(async_ps.pair_gradients, compute_seconds)
     if comm.rank == 0:
         table, gradsq = initial_state(order, config)
         start = time.perf_counter()
         table, gradsq, staleness = async_ps.run_server(comm, table, gradsq, config)
         return table, gradsq, [int(s) for s in staleness], time.perf_counter() - start
     return async_ps.ps_worker(comm, order, config)
+
+
+def _full_rate(lr: float, staleness: int) -> float:
+    """Plain asynchronous SGD: the learning rate whatever the staleness."""
+    return lr
+
+
+def _taking_time(pair_gradients, seconds: float):
+    """``pair_gradients`` that first spends ``seconds`` "computing" (see ``ps_rank``)."""
+
+    def slower_pair_gradients(*args, **kwargs):
+        time.sleep(seconds)
+        return pair_gradients(*args, **kwargs)
+
+    return slower_pair_gradients
 
 
 def hogwild_rank(comm, order: Pairs, table: torch.Tensor, gradsq: torch.Tensor, config: GloveConfig):
@@ -94,10 +126,24 @@ def hogwild_rank(comm, order: Pairs, table: torch.Tensor, gradsq: torch.Tensor, 
 
 
 def parameter_server(
-    order: Pairs, config: GloveConfig = TOY_CONFIG, workers: int = 3, timeout: float = 60
+    order: Pairs,
+    config: GloveConfig = TOY_CONFIG,
+    workers: int = 3,
+    timeout: float = 60,
+    compute_seconds: float = 0.0,
+    staleness_aware: bool = True,
 ) -> Run:
-    """Your server on rank 0 and ``workers`` of your workers (md.launch errors propagate)."""
-    outs = md.launch(ps_rank, workers + 1, args=(order, config), timeout=timeout, threads_per_worker=1)
+    """Your server on rank 0 and ``workers`` of your workers (md.launch errors propagate).
+
+    ``compute_seconds`` and ``staleness_aware``: see ``ps_rank``.
+    """
+    outs = md.launch(
+        ps_rank,
+        workers + 1,
+        args=(order, config, compute_seconds, staleness_aware),
+        timeout=timeout,
+        threads_per_worker=1,
+    )
     table, gradsq, staleness, seconds = outs[0]
     return Run(table, gradsq, outs[1:], staleness, seconds)
 
