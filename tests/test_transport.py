@@ -174,28 +174,40 @@ def _shm_comms(world_size: int, **sizes):
     ]
 
 
+def _switch_threads_between_any_two_bytecodes(frame, event, arg):
+    """A trace function for ``threading.settrace``: inside the transports' ``send`` and
+    ``recv`` it runs at every bytecode, and the interpreter may switch threads there.
+
+    Without it CPython switches threads only at a few kinds of instructions, so a
+    ``counter += n`` shared by threads almost never loses an update -- although nothing
+    promises that (and a free-threaded Python loses them readily).
+    """
+    if event == "call":
+        code = frame.f_code
+        if code.co_name not in ("send", "recv") or "transport" not in code.co_filename:
+            return None
+        frame.f_trace_opcodes = True
+    return _switch_threads_between_any_two_bytecodes
+
+
 def test_stats_are_exact_when_several_threads_send_and_receive():
     """Rank 0 receives from ranks 1 and 2 on two threads (as an Inbox does) and sends to
     them on two more; the counters are the sums, message for message."""
     _, comms = _shm_comms(3, chunk=4096, slots=4)
-    count, numel = 4000, 4
+    count, numel = 2000, 4
+
+    def run(operation, other):
+        sys.settrace(_switch_threads_between_any_two_bytecodes)
+        buffer = torch.ones(numel)
+        for _ in range(count):
+            operation(buffer, other)
+
+    jobs = []
+    for peer in (1, 2):
+        jobs += [(comms[peer].send, 0), (comms[0].recv, peer), (comms[0].send, peer), (comms[peer].recv, 0)]
     switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # switch threads as often as possible: races show up
+    sys.setswitchinterval(1e-6)  # and switch as often as possible
     try:
-        jobs = []
-        for peer in (1, 2):
-            jobs += [
-                (comms[peer].send, peer, 0),
-                (comms[0].recv, 0, peer),
-                (comms[0].send, 0, peer),
-                (comms[peer].recv, peer, 0),
-            ]
-
-        def run(operation, _me, other):
-            buffer = torch.ones(numel)
-            for _ in range(count):
-                operation(buffer, other)
-
         threads = [threading.Thread(target=run, args=job) for job in jobs]
         for thread in threads:
             thread.start()

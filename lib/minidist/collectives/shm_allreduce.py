@@ -40,6 +40,7 @@ with a point-to-point algorithm instead sends it a message whose tag says so.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import numpy as np
@@ -72,15 +73,13 @@ _UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
 
 
 class _State:
-    """What this rank keeps between calls: views of the workspace, the call in progress."""
+    """What this rank keeps between calls: views of the workspace and scratch buffers."""
 
-    def __init__(self, comm, workspace: SharedWorkspace) -> None:
-        self.comm = comm
+    def __init__(self, workspace: SharedWorkspace) -> None:
         self.workspace = workspace
         self.numpy_views: dict = {}  # (buffer, dtype, numel) -> [slot 0 .. slot p-1, scratch]
         self.typed: dict = {}
         self.written: list = [None, None]  # the signature whose meta this rank last wrote, per buffer
-        self.call: tuple = ()  # (shape, dtype, op) of the allreduce in progress, for error messages
 
     def typed_slot(self, b: int, r: int, dtype: torch.dtype) -> torch.Tensor:
         view = self.typed.get((b, r, dtype))
@@ -88,45 +87,40 @@ class _State:
             view = self.typed[(b, r, dtype)] = self.workspace.slots[b][r].view(dtype)
         return view
 
-    def look_for_message_algorithms(self) -> None:
-        """Called while waiting at the barrier: is a peer running a point-to-point
-        allreduce of the same tensor instead? Its first message to us would say so."""
-        peek = getattr(self.comm, "peek_tag", None)
-        if peek is None or not self.call:
-            return
-        shape, dtype, op = self.call
-        like = torch.empty(shape, dtype=dtype, device="meta")  # no memory: only shape and dtype
-        theirs = {signature_tag("allreduce", like, op, a): a for a in MESSAGE_ALGORITHMS}
-        for peer in range(self.comm.world_size):
-            if peer != self.comm.rank and peek(peer) in theirs:
-                raise MessageMismatch(
-                    f"allreduce: the ranks do not agree: rank {self.comm.rank} runs algorithm 'shm', "
-                    f"but rank {peer} sent it a message of allreduce with algorithm "
-                    f"{theirs[peek(peer)]!r}. Every rank must pass the same algorithm."
-                )
 
-
-def _state(comm, workspace: SharedWorkspace) -> _State:
+def _state(workspace: SharedWorkspace) -> _State:
     state = workspace.cache.get("shm_allreduce")
     if state is None:
-        state = workspace.cache["shm_allreduce"] = _State(comm, workspace)
+        state = workspace.cache["shm_allreduce"] = _State(workspace)
     return state
 
 
-def _barrier(comm, state: _State) -> None:
+def _look_for_message_algorithms(comm, tensor: torch.Tensor, op: str) -> None:
+    """Called while waiting at the barrier: is a peer running a point-to-point
+    allreduce of the same tensor instead? Its first message to us would say so."""
+    peek = getattr(comm, "peek_tag", None)
+    if peek is None:
+        return
+    theirs = {signature_tag("allreduce", tensor, op, a): a for a in MESSAGE_ALGORITHMS}
+    for peer in range(comm.world_size):
+        tag = peek(peer) if peer != comm.rank else None
+        if tag in theirs:
+            raise MessageMismatch(
+                f"allreduce: the ranks do not agree: rank {comm.rank} runs algorithm 'shm', but "
+                f"rank {peer} sent it a message of allreduce with algorithm {theirs[tag]!r}. "
+                "Every rank must pass the same algorithm."
+            )
+
+
+def _barrier(comm, state: _State, tensor: torch.Tensor, op: str) -> None:
     workspace = state.workspace
     workspace.epoch += 1
     epoch = workspace.epoch
     workspace.flags[comm.rank].value = epoch
     for peer, flag in enumerate(workspace.flags):
-        if flag.value < epoch:
-            comm.wait_at_least(
-                flag,
-                epoch,
-                peer,
-                "the shm allreduce barrier: waiting for",
-                state.look_for_message_algorithms,
-            )
+        if flag.value < epoch:  # the check is built only now: nothing to pay when nobody waits
+            check = functools.partial(_look_for_message_algorithms, comm, tensor, op)
+            comm.wait_at_least(flag, epoch, peer, "the shm allreduce barrier: waiting for", check)
 
 
 def _publish(comm, state: _State, b: int, tensor: torch.Tensor, op: str, signature: int) -> None:
@@ -165,8 +159,7 @@ def _check_agreement(comm, state: _State, b: int) -> None:
 def shm_allreduce(comm, workspace: SharedWorkspace, tensor: torch.Tensor, op: str, signature: int) -> None:
     """Allreduce ``tensor`` in place through ``workspace`` (arguments already validated by
     ``collectives.api``; ``signature`` is the call's checksum, compared across ranks)."""
-    state = _state(comm, workspace)
-    state.call = (tensor.shape, tensor.dtype, op)
+    state = _state(workspace)
     if _small_numpy_allreduce(comm, state, tensor, op, signature):
         return
     staged = tensor.is_cuda
@@ -197,7 +190,7 @@ def _small_numpy_allreduce(comm, state: _State, tensor: torch.Tensor, op: str, s
     b = workspace.next_buffer()
     ctypes.memmove(workspace.slot_ptr[b][rank], tensor.data_ptr(), nbytes)
     _publish(comm, state, b, tensor, op, signature)
-    _barrier(comm, state)
+    _barrier(comm, state, tensor, op)
     _check_agreement(comm, state, b)
     numel = tensor.numel()
     views = state.numpy_views.get((b, np_dtype, numel))
@@ -230,7 +223,7 @@ def _workspace_allreduce(
         numel = flat.numel()
         ctypes.memmove(workspace.slot_ptr[b][rank], flat.data_ptr(), nbytes)
         _publish(comm, state, b, tensor, op, signature)
-        _barrier(comm, state)
+        _barrier(comm, state, tensor, op)
         _check_agreement(comm, state, b)
         views = [state.typed_slot(b, r, flat.dtype)[:numel] for r in range(p)]
         if op in ("sum", "avg") and p == 2:
@@ -249,12 +242,12 @@ def _workspace_allreduce(
         mine = state.typed_slot(b, rank, flat.dtype)[:numel]
         mine.copy_(piece)
         _publish(comm, state, b, tensor, op, signature)
-        _barrier(comm, state)
+        _barrier(comm, state, tensor, op)
         _check_agreement(comm, state, b)
         lo, hi = chunk_bounds(numel, p)[rank]
         acc = state.typed_slot(b, 0, flat.dtype)[lo:hi]
         for r in range(1, p):
             combine_(acc, state.typed_slot(b, r, flat.dtype)[lo:hi], op)
         finish_(acc, op, p)
-        _barrier(comm, state)
+        _barrier(comm, state, tensor, op)
         piece.copy_(state.typed_slot(b, 0, flat.dtype)[:numel])

@@ -12,16 +12,11 @@ next to its data and compares it after its barrier.
 
 from __future__ import annotations
 
-import functools
 import zlib
 
 import torch
 
-
-@functools.lru_cache(maxsize=4096)  # a training loop repeats the same few calls
-def _signature(name: str, shape: torch.Size, dtype: torch.dtype, extra: tuple) -> int:
-    text = f"{name}|{tuple(shape)}|{dtype}|{'|'.join(map(str, extra))}"
-    return zlib.crc32(text.encode()) + 1  # never 0, the tag of plain send/recv
+_KNOWN: dict[tuple, int] = {}  # a training loop repeats the same few calls: remember them
 
 
 def signature_tag(name: str, tensor: torch.Tensor, *extra) -> int:
@@ -30,4 +25,11 @@ def signature_tag(name: str, tensor: torch.Tensor, *extra) -> int:
     disagree on any of them get a ``MessageMismatch`` at their first message instead of a
     silently wrong result -- even for a (2, 3) against a (3, 2) tensor, whose flat vectors
     have the same length."""
-    return _signature(name, tensor.shape, tensor.dtype, extra)
+    key = (name, tensor.shape, tensor.dtype, extra)
+    tag = _KNOWN.get(key)
+    if tag is None:
+        text = f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|{'|'.join(map(str, extra))}"
+        tag = zlib.crc32(text.encode()) + 1  # never 0, the tag of plain send/recv
+        if len(_KNOWN) < 4096:
+            _KNOWN[key] = tag
+    return tag

@@ -23,11 +23,12 @@ slots and counters, so they can be mixed freely, message by message.
 from __future__ import annotations
 
 import ctypes
+import threading
 
 import numpy as np
 import torch
 
-from ..comm import KIND_DATA, CompletedWork, encode_header
+from ..comm import KIND_DATA, CommStats, CompletedWork, encode_header
 from .shm import MailboxComm, header_digest
 
 memmove = ctypes.memmove  # torch's copy_ releases the GIL; for small copies ctypes is quicker
@@ -39,6 +40,38 @@ class ShmComm(MailboxComm):
     def __init__(self, rank, world_size, resources, local_rank=None, device="cpu", timeout=None):
         super().__init__(rank, world_size, resources, local_rank, device, timeout)
         self._header_cache: dict = {}
+        # The fast path's traffic counters: one tally per thread, so that threads (an Inbox,
+        # isend workers) never lose each other's updates -- a += on a shared counter can --
+        # and cheaper than taking a lock per message (measured: ~35 ns against ~135 ns).
+        self._thread_tally = threading.local()
+        self._tallies: list[list[int]] = []  # [bytes sent, messages sent, bytes received, messages received]
+
+    def _tally(self) -> list[int]:
+        """This thread's counters (created on its first message)."""
+        try:
+            return self._thread_tally.counts
+        except AttributeError:
+            counts = self._thread_tally.counts = [0, 0, 0, 0]
+            with self._stats_lock:
+                self._tallies.append(counts)
+            return counts
+
+    @property
+    def stats(self) -> CommStats:
+        merged = super().stats  # the generic path's counters
+        with self._stats_lock:
+            for counts in self._tallies:
+                merged.bytes_sent += counts[0]
+                merged.messages_sent += counts[1]
+                merged.bytes_received += counts[2]
+                merged.messages_received += counts[3]
+        return merged
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        with self._stats_lock:
+            for counts in self._tallies:
+                counts[:] = [0, 0, 0, 0]
 
     def _slot_header(self, tensor: torch.Tensor, tag: int = 0) -> tuple[bytes, int]:
         """(slot header as send writes it, its 64-bit digest as recv compares it).
@@ -83,9 +116,12 @@ class ShmComm(MailboxComm):
                     memmove(box.data_addr[slot], tensor.data_ptr(), nbytes)
                 box.local = sent + 1
                 box.sent.value = sent + 1  # publish
-                with self._stats_lock:  # Inbox and isend threads count too: += is not atomic
-                    self._stats.bytes_sent += nbytes
-                    self._stats.messages_sent += 1
+                try:
+                    counts = self._thread_tally.counts
+                except AttributeError:
+                    counts = self._tally()
+                counts[0] += nbytes
+                counts[1] += 1
                 return
         super().send(tensor, dst, tag)
 
@@ -111,9 +147,12 @@ class ShmComm(MailboxComm):
                         memmove(tensor.data_ptr(), box.data_addr[slot], nbytes)
                     box.local = acked + 1
                     box.acked.value = acked + 1  # release the slot
-                    with self._stats_lock:
-                        self._stats.bytes_received += nbytes
-                        self._stats.messages_received += 1
+                    try:
+                        counts = self._thread_tally.counts
+                    except AttributeError:
+                        counts = self._tally()
+                    counts[2] += nbytes
+                    counts[3] += 1
                     return tensor
         return super().recv(tensor, src, tag)  # also produces the error message on a mismatch
 
