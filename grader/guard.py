@@ -1,7 +1,7 @@
 """The run time half of "you may not call the library's implementation of your task".
 
 Copied into the sandbox beside ``harness.py`` and imported by the assignment's worker module;
-``install(rules)`` runs in every worker process *before* the student's module is imported.
+``install_rules(rules)`` runs in every worker process *before* the student's module is imported.
 Standalone: the standard library and whatever modules it is told to guard, never ``grader``.
 
 Three locks, because a name can be reached in many ways (``md.allreduce``, an alias,
@@ -115,7 +115,7 @@ def _audit(event: str, args: tuple) -> None:
             raise PermissionError(f"{MARKER} reading {path}, the library's code for this assignment's task")
     elif event == "exec" and args and isinstance(args[0], types.CodeType):
         filename = args[0].co_filename
-        if filename in _guarded_files:
+        if filename.endswith(".py") and os.path.realpath(filename) in _guarded_files:
             raise PermissionError(f"{MARKER} running code compiled from {filename}")
 
 
