@@ -282,3 +282,17 @@ def test_shm_refuses_a_cpu_that_may_reorder_stores(monkeypatch):
         md.launch(workers.identity, 2, transport="shm", timeout=30)
     assert "arm64" in str(info.value)
     assert md.launch(workers.identity, 2, transport="pipe", timeout=30) is not None
+
+
+def test_a_forked_rank_sees_its_peer_leave_on_pipe():
+    """Under fork every rank inherits every pipe; each must close the ends that are not
+    its own, or a peer's exit would never reach it as end-of-file."""
+    outs = md.launch(
+        peer_workers.wait_for_peers_that_left,
+        3,
+        args=("recv",),
+        transport="pipe",
+        start_method="fork",
+        timeout=60,
+    )
+    assert outs[0][0] == "PeerError" and "rank 1" in outs[0][1], outs[0]

@@ -17,6 +17,14 @@ Like MPI's standard-mode send, a send returns once the data is in the pipe:
 small messages are buffered by the kernel, but a large one waits until the
 receiver reads it. Two ranks that both ``send`` a large tensor before they
 ``recv`` deadlock; use ``isend``/``irecv`` for exchanges.
+
+A peer that is gone -- returned, exited, killed -- is noticed without any
+timeout: its ends of our pipes close, so a read waiting for it gets end-of-file
+and a write to it a broken pipe, both turned into ``PeerError``. That works
+only if no other process holds a copy of those ends: the launcher drops its
+copies once every rank has started, and a forked rank closes the inherited
+ends of the other ranks' pipes (``transport.launcher_copies_release`` and
+``transport.foreign_fds``).
 """
 
 from __future__ import annotations
@@ -151,7 +159,7 @@ class PipeComm(Communicator):
         except EOFError as error:
             raise PeerError(
                 f"rank {self.rank} was waiting for a message from rank {src}, but rank {src} "
-                "closed its pipe (it exited or crashed)"
+                "closed its pipe (it returned, exited or crashed)"
             ) from error
         header = np.frombuffer(message[:HEADER_BYTES], dtype=np.int64).copy()
         self._inline[src] = message[HEADER_BYTES:]
