@@ -82,6 +82,8 @@ def _neuter(function: types.FunctionType, name: str, instead: str) -> None:
 def _functions_of(module: types.ModuleType):
     """(qualified name, function) for the functions and methods *defined* in ``module``."""
     for attribute, value in list(vars(module).items()):
+        if attribute.startswith("__"):  # a module's __getattr__/__dir__ are lookups, not the task
+            continue
         if isinstance(value, types.FunctionType) and value.__module__ == module.__name__:
             yield f"{module.__name__}.{attribute}", value
         elif isinstance(value, type) and value.__module__ == module.__name__:
