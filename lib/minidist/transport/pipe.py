@@ -137,7 +137,7 @@ class PipeComm(Communicator):
         except (BrokenPipeError, ConnectionResetError) as error:
             raise PeerError(
                 f"rank {self.rank} could not send to rank {dst}: its pipe is closed "
-                f"(rank {dst} exited or crashed)"
+                f"(rank {dst} returned, exited or crashed)"
             ) from error
 
     def _wait_readable(self, src: int) -> None:
