@@ -79,6 +79,19 @@ def _neuter(function: types.FunctionType, name: str, instead: str) -> None:
     function.__code__ = _refusing_code(function, refusal_message(name, instead))
 
 
+def _replace_method(owner: type, attribute: str, name: str, instead: str) -> None:
+    """Replace a method written in C (``ProcessGroup.allreduce``) by a refusing Python function."""
+
+    def refused(*args, **kwargs):
+        pass
+
+    refused.__code__ = _refusing_code(refused, refusal_message(name, instead))
+    try:
+        setattr(owner, attribute, refused)
+    except (AttributeError, TypeError):  # a type that cannot be changed: the intake check is all
+        pass
+
+
 def _functions_of(module: types.ModuleType):
     """(qualified name, function) for the functions and methods *defined* in ``module``."""
     for attribute, value in list(vars(module).items()):
@@ -167,6 +180,9 @@ def install(modules: tuple[str, ...], names: tuple[str, ...], instead: str) -> N
         for value in (outer, inner):
             if isinstance(value, types.FunctionType):
                 to_neuter.append((dotted, value))
+        owner = _resolve(dotted.rpartition(".")[0])
+        if outer is not None and not isinstance(outer, types.FunctionType) and isinstance(owner, type):
+            _replace_method(owner, dotted.rpartition(".")[2], dotted, instead)  # a C method
     for name, function in to_neuter:
         _neuter(function, name, instead)
     sys.meta_path.insert(0, _RefuseImports(modules, instead))

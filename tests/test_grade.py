@@ -208,6 +208,7 @@ attempts = {
     "source": lambda: open(md.collectives.ring.__file__).read(),
     "torch": lambda: torch.distributed.all_reduce(torch.ones(2)),
     "compiled": lambda: exec(compile("x = 1", md.collectives.ring.__file__, "exec")),
+    "process group": lambda: torch.distributed.ProcessGroup.allreduce(None, [torch.ones(2)]),
 }
 for name, attempt in attempts.items():
     try:
@@ -237,7 +238,7 @@ def test_the_run_time_guard_refuses_every_way_to_the_library(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ALLOWED" not in result.stdout, result.stdout
-    assert result.stdout.count("refused") == 8, result.stdout
+    assert result.stdout.count("refused") == 9, result.stdout
     assert "lookups True" in result.stdout, result.stdout
     # the communicator a submission gets: point-to-point, no workspace, no collective
     methods = ["barrier", "irecv", "isend", "recv", "send", "stats"]

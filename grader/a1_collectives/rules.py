@@ -43,6 +43,28 @@ FORBIDDEN_NAMES = (
     "torch.distributed.scatter_object_list",
     "torch.distributed.barrier",
     "torch.distributed.monitored_barrier",
+) + tuple(  # the same, one level down: the process group's own methods (written in C)
+    f"torch.distributed.ProcessGroup.{method}"
+    for method in (
+        "allreduce",
+        "allreduce_coalesced",
+        "allgather",
+        "allgather_coalesced",
+        "allgather_into_tensor_coalesced",
+        "all_gather_single",
+        "broadcast",
+        "reduce",
+        "reduce_scatter",
+        "reduce_scatter_single",
+        "reduce_scatter_tensor_coalesced",
+        "alltoall",
+        "alltoall_base",
+        "all_to_all_single",
+        "gather",
+        "scatter",
+        "barrier",
+        "monitored_barrier",
+    )
 )
 
 #: modules a submission may not import at all (intake only): nothing in the task needs them
