@@ -2,8 +2,9 @@
 
 For each trainer and each worker count it prints pairs per second, the speed-up over
 the single process and over the baseline with as many threads (both measured in the
-same run), the final loss, WordSim353 Spearman and analogy accuracy, and saves a
-loss-vs-wall-clock plot with all trainers on one axis.
+same run), the loss of the final model (one formula for every trainer), WordSim353 and
+SimLex-999 Spearman and analogy accuracy, and saves a loss-vs-wall-clock plot with all
+trainers on one axis.
 
 The baseline is an established, installed GloVe trainer, glove-python's Cython code
 (``glove_baseline``), trained on exactly our pairs for as many epochs with 1 and 2
