@@ -14,7 +14,7 @@ import minidist as md
 import peer_workers
 import workers
 from minidist import CommStats, PeerError
-from minidist.transport import ShmComm, share_with_rank
+from minidist.transport import MailboxComm, ShmComm, share_with_rank
 from minidist.transport.presence import PeerPresence
 from minidist.transport.shm import DEFAULT_CHUNK, allocate_mailboxes
 
@@ -136,11 +136,15 @@ def test_a_dead_peer_is_reported_not_waited_for(transport, how):
     assert ("code 3" if how == "exit" else "SIGKILL") in str(info.value)
 
 
-def test_shm_fast_path_and_generic_path_agree_in_process():
-    """Both ends in one process: small (fast path) and chunked (generic) messages."""
+@pytest.mark.parametrize(
+    "sender, receiver", [(ShmComm, ShmComm), (MailboxComm, ShmComm), (ShmComm, MailboxComm)]
+)
+def test_shm_fast_path_and_generic_path_agree_in_process(sender, receiver):
+    """Both ends in one process: small (fast path) and chunked (generic) messages; the
+    teaching path (MailboxComm) and the fast path (ShmComm) speak the same protocol."""
     shared = allocate_mailboxes(2, chunk=4096, slots=2)
-    a = ShmComm(0, 2, share_with_rank("shm", shared, 0, 2))
-    b = ShmComm(1, 2, share_with_rank("shm", shared, 1, 2))
+    a = sender(0, 2, share_with_rank("shm", shared, 0, 2))
+    b = receiver(1, 2, share_with_rank("shm", shared, 1, 2))
     for n in [0, 1, 1000, 1024, 1025]:  # 1025 float32 > one 4096-byte chunk
         x = torch.randn(n)
         y = torch.empty(n)
