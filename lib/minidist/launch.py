@@ -360,7 +360,7 @@ def launch(
         for end in child_ends:  # the children hold their copies; EOF works only if we drop ours
             end.close()
         child_ends = []
-        transports.launcher_copies_release(transport, shared)  # the same for the transport's pipes
+        transports.release_launcher_copies(transport, shared)  # the same for the transport's pipes
         if forwarder is not None:
             forwarder.start()
         return _wait_for_results(processes, result_readers, timeout, stack_dir)

@@ -51,7 +51,7 @@ def share_with_rank(transport: str, shared, rank: int, world_size: int):
     return shared
 
 
-def launcher_copies_release(transport: str, shared) -> None:
+def release_launcher_copies(transport: str, shared) -> None:
     """Launcher side, once every rank has started: drop the launcher's own copies.
 
     A pipe reports end-of-file to its reader (and a broken pipe to its writer)
@@ -66,7 +66,7 @@ def launcher_copies_release(transport: str, shared) -> None:
 
 def foreign_fds(transport: str, shared, rank: int) -> tuple[int, ...]:
     """File descriptors of other ranks' pipe ends, which a *forked* rank inherits and
-    must close (for the same reason as ``launcher_copies_release``)."""
+    must close (for the same reason as ``release_launcher_copies``)."""
     if transport != "pipe":
         return ()
     own = {conn.fileno() for (src, dst), conn in shared["writers"].items() if src == rank}
@@ -91,5 +91,7 @@ __all__ = [
     "TorchComm",
     "setup",
     "share_with_rank",
+    "release_launcher_copies",
+    "foreign_fds",
     "connect",
 ]

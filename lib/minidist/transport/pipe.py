@@ -23,7 +23,7 @@ timeout: its ends of our pipes close, so a read waiting for it gets end-of-file
 and a write to it a broken pipe, both turned into ``PeerError``. That works
 only if no other process holds a copy of those ends: the launcher drops its
 copies once every rank has started, and a forked rank closes the inherited
-ends of the other ranks' pipes (``transport.launcher_copies_release`` and
+ends of the other ranks' pipes (``transport.release_launcher_copies`` and
 ``transport.foreign_fds``).
 """
 
