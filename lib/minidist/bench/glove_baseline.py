@@ -18,8 +18,9 @@ What it does per epoch, and how that differs from ``minidist.glove.model``::
 
 * the AdaGrad rule is the textbook one, as ours (squares of the gradient, G starts at
   1, the step reads G before adding) -- not glove.c's squares of ``lr x gradient``;
-* but it steps after every *pair*, ours after a batch of 2048: a row that occurs twice
-  in our batch gets two steps with the same G, there the second step sees the first;
+* but it steps after every *pair*, ours after a batch of 2048: where a row occurs twice
+  in one of our batches, its two gradients are added and scaled by the same G; there the
+  second step sees the first one's update and its square in G;
 * word and context vectors are *one* table (``w_b`` plays the context), ours are two
   (embedding ``w_i + c_i``); its biases start at 0, ours uniform like the vectors;
 * float64, ours float32.
