@@ -3,7 +3,7 @@
     L = sum_{i != j} f(X_ij) (w_i . c_j + b_i + b~_j - log X_ij)^2
     f(x) = (x / x_max)^alpha  for x < x_max,  1 otherwise   (alpha = 0.75)
 
-The paper uses x_max = 100 on billions of tokens. On our 1.3M tokens most counts are
+The paper uses x_max = 100 on billions of tokens. On our 1.28M tokens most counts are
 far below 100, so f would be ~0.03 for most pairs and 15 epochs would not get far;
 we default to x_max = 10, the value of Stanford's ``demo.sh`` for small corpora
 (and, judging by its cost of 0.0289, of the reference run in DESIGN.md).
