@@ -184,9 +184,12 @@ def trace(function: str, world_size: int, numel: int, src: int = 0) -> Trace | N
 
 
 def budget(function: str, world_size: int, numel: int, element_size: int = 4) -> list[int]:
-    """The most bytes each rank may send in ``function``: what the grader's budget tests allow.
+    """An upper bound on the bytes each rank sends in ``function``, from the formulas of section 1.
 
-    ``star_allreduce`` gets the ring's budget: it is the allreduce the budget is there to catch.
+    The grader is stricter: each rank's messages and bytes must *equal* what the algorithm
+    sends (``test_every_rank_sends_exactly_what_the_algorithm_sends``); this bound only tells a
+    far-off algorithm from a plausible one. ``star_allreduce`` gets the ring's budget: it is the
+    allreduce the budget is there to catch.
     """
     p, n = world_size, numel * element_size
     if function in ("ring_allreduce", "star_allreduce"):
@@ -205,7 +208,7 @@ def budget(function: str, world_size: int, numel: int, element_size: int = 4) ->
 
 
 def report_budget(traces: list[Trace]) -> None:
-    """Print, per trace, the most bytes a rank sent against the budget."""
+    """Print, per trace, the rank furthest over (or least under) its upper bound of bytes."""
     for trace in traces:
         sent = trace.bytes_per_rank()
         limits = budget(trace.function, trace.world_size, trace.numel)

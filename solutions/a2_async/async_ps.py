@@ -129,7 +129,9 @@ def run_server(
     # TODO(task 2): the server loop. Hints:
     # - width = table.shape[1]; inbox = Inbox(comm, workers, lambda comm, src: read_request(comm, src, width))
     # - keep a set of the workers still active; loop while it is not empty:
-    #       src, message = inbox.get(timeout=comm.timeout)   # a dead worker raises instead of hanging
+    #       src, message = inbox.get(timeout=comm.timeout)
+    #   (a worker that died or returned makes get() raise -- the shm and pipe transports notice a
+    #   closed peer and the Inbox re-raises its listener's error -- instead of hanging)
     # - answer a pull with send_rows(...) and then comm.send(torch.tensor([version]), src):
     #   the worker is waiting for exactly these two messages, in this order.
     # - never answer a push: the worker has already moved on.
@@ -177,7 +179,8 @@ def ps_worker(comm: Communicator, order: Pairs, config: GloveConfig) -> list[flo
     #   version into torch.empty(1, dtype=torch.int64) with comm.recv
     # - optional: pull each row once (torch.unique(rows, return_inverse=True)), index the
     #   answer with the inverse; push the rows and grads of the batch as they are, not merged.
-    # - after the last batch, send the DONE header, or the server waits for you forever.
+    # - after the last batch, send the DONE header; without it the server fails with
+    #   "receiving from rank k failed" as soon as your worker returns.
     ### BEGIN SOLUTION TODO(task 3): write ps_worker
     workers, me, width = comm.world_size - 1, comm.rank - 1, config.dim + 1
     mine = order.subset(split(len(order), workers, me))
