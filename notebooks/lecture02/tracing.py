@@ -11,8 +11,8 @@ class TracingComm:
     """Wraps a communicator: logs each send and receive, then lets the real one do it.
 
     The collectives only use rank, world_size, send, recv, isend and irecv. This class
-    has no `workspace` attribute, so `md.allreduce` cannot take its shared-memory
-    shortcut and must use the point-to-point algorithm we ask for.
+    has no `shared_workspace`, so even algorithm="auto" could not take the shared-memory
+    shortcut of md.allreduce; a named point-to-point algorithm always runs as asked.
     """
 
     def __init__(self, comm):
