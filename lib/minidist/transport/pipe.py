@@ -4,9 +4,9 @@
 by the tensor's raw bytes -- written straight from the tensor's memory and read
 straight into the receive buffer (``send_bytes`` / ``recv_bytes_into``), so
 nothing is pickled. Every byte still crosses the kernel twice (a copy into the
-pipe buffer, a copy out), in pieces of the pipe's capacity (64 KiB on Linux),
-which is why a pipe is slower than shared memory and why the time to send a
-message grows linearly with its size.
+pipe buffer, a copy out), in pieces of the pipe's buffer (64 KiB by default on
+Linux; ``_grow_pipe`` asks for 1 MiB), which is why a pipe is slower than
+shared memory and why the time to send a message grows linearly with its size.
 
 Small messages (up to ``INLINE_BYTES``) travel in the same write as their
 header: one system call instead of two. Large ones follow their header as
