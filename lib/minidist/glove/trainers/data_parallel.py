@@ -45,7 +45,7 @@ VARIANTS = ("dense", "sparse")
 
 def _dense_step(comm, table, gradsq, rows, grads, lr):
     delta = torch.zeros((2, *table.shape))  # [change of table, change of G]
-    delta[0].index_add_(0, rows, grads / gradsq[rows].sqrt_(), alpha=-lr)
+    delta[0].index_add_(0, rows, grads / gradsq.index_select(0, rows).sqrt_(), alpha=-lr)
     delta[1].index_add_(0, rows, grads.square_())
     allreduce(comm, delta, op="sum", algorithm="ring")  # ring: its bytes are counted
     table += delta[0]
@@ -83,7 +83,7 @@ def data_parallel_worker(comm: Communicator, order: Pairs, config: GloveConfig, 
                 split(batch.stop - batch.start, comm.world_size, comm.rank)
             )
             rows = torch.cat([mine.rows, mine.cols])
-            grads, batch_loss = pair_gradients(table[rows], mine.log_x, mine.f_x)
+            grads, batch_loss = pair_gradients(table.index_select(0, rows), mine.log_x, mine.f_x)
             loss += float(batch_loss)
             if variant == "dense":
                 _dense_step(comm, table, gradsq, rows, grads, config.lr)
