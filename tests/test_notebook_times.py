@@ -38,5 +38,8 @@ def test_times_are_printed_per_notebook_and_the_guard_fails_a_slow_one(tmp_path)
 
     slow = _run_nbval(tmp_path, guard_s=0.5)
     assert slow.returncode == 1, slow.stdout + slow.stderr
-    assert "more than the hang guard of 0 s" in slow.stdout or "hang guard" in slow.stdout
-    assert "1 failed" in slow.stdout  # only the cell at which the total passed the guard
+    assert slow.stdout.count("more than the hang guard") >= 1
+    # only the cell at which the running total passed the guard: the sleeping cell, or -- when
+    # the kernel's start-up alone took longer than the guard -- the first cell's setup (an error)
+    summary = slow.stdout.strip().splitlines()[-1]
+    assert ("1 failed" in summary) != ("1 error" in summary), summary
