@@ -207,6 +207,25 @@ def test_silent_progress_bar_makes_no_process_semaphore():
     assert out.stdout.strip() == "False", out.stdout + out.stderr
 
 
+def test_single_trainer_makes_no_process_semaphore():
+    """train_single runs inside workers too (lecture 04 trains two side by side): its
+    silent bar must not create tqdm's multiprocessing lock, which a worker leaving through
+    os._exit leaks into /dev/shm."""
+    script = (
+        "import torch\n"
+        "from tqdm.std import TqdmDefaultWriteLock\n"
+        "from minidist import glove\n"
+        "from minidist.glove.model import Pairs\n"
+        "pairs = Pairs(torch.tensor([0, 1]), torch.tensor([3, 2]), torch.zeros(2), torch.ones(2), 2)\n"
+        "glove.train_single(pairs, glove.GloveConfig(dim=4, epochs=2, batch_size=2))\n"
+        "print(hasattr(TqdmDefaultWriteLock, 'mp_lock'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "False", out.stdout + out.stderr
+
+
 def test_parameter_server_rejects_bad_arguments(pairs):
     with pytest.raises(ValueError, match="mode"):
         glove.train_param_server(pairs, CONFIG, mode="eventual")

@@ -13,10 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from tqdm import tqdm  # plain bars: no ipywidgets needed, and they work in worker processes
 
 from ..model import DEFAULT_CONFIG, GloveConfig, Pairs, batch_step, init_gradsq, init_table
-from .common import Clock, TrainResult, batch_slices, training_order
+from .common import Clock, TrainResult, batch_slices, epochs, training_order
 
 
 def train_single(
@@ -41,7 +40,7 @@ def train_single(
     torch.set_num_threads(1)  # one core, like each worker of the parallel trainers
     try:
         history, clock = [], Clock()
-        for _epoch in tqdm(range(config.epochs), desc="single", disable=not progress):
+        for _epoch in epochs(config.epochs, "single", progress):  # no process-wide lock in a worker
             loss = sum(batch_step(table, gradsq, order.subset(b), config.lr) for b in schedule)
             history.append((clock(), loss / len(order)))
         seconds = clock()
