@@ -191,39 +191,35 @@ def test_parameter_server_progress_bar_ends_full(pairs, capfd):
         assert re.search(rf"100%.*\b{steps}/{steps}\b", drawings[-1]), drawings[-1]
 
 
-def test_silent_progress_bar_makes_no_process_semaphore():
-    """tqdm registers even a disabled bar under its default lock, a multiprocessing
-    semaphore; made in a worker (which leaves through os._exit) it is reported as leaked.
-    Checked in a fresh interpreter: this one made tqdm's lock long ago."""
+def _makes_tqdm_process_lock(code: str) -> bool:
+    """Whether ``code``, run in a fresh interpreter (this one made tqdm's lock long ago),
+    creates tqdm's default lock: a multiprocessing semaphore, which a worker leaving
+    through os._exit leaks into /dev/shm."""
     script = (
-        "from tqdm.std import TqdmDefaultWriteLock\n"
-        "from minidist.glove.trainers.common import step_bar\n"
-        "step_bar(5, 'silent', show=False).close()\n"
-        "print(hasattr(TqdmDefaultWriteLock, 'mp_lock'))\n"
+        f"from tqdm.std import TqdmDefaultWriteLock\n{code}\nprint(hasattr(TqdmDefaultWriteLock, 'mp_lock'))"
     )
     out = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
     )
-    assert out.stdout.strip() == "False", out.stdout + out.stderr
+    return out.stdout.strip() != "False"
+
+
+def test_silent_progress_bar_makes_no_process_semaphore():
+    """tqdm registers even a disabled bar under its default lock."""
+    code = "from minidist.glove.trainers.common import step_bar\nstep_bar(5, 'silent', show=False).close()"
+    assert not _makes_tqdm_process_lock(code)
 
 
 def test_single_trainer_makes_no_process_semaphore():
-    """train_single runs inside workers too (lecture 04 trains two side by side): its
-    silent bar must not create tqdm's multiprocessing lock, which a worker leaving through
-    os._exit leaks into /dev/shm."""
-    script = (
+    """train_single runs inside workers too (lecture 04 trains two side by side)."""
+    code = (
         "import torch\n"
-        "from tqdm.std import TqdmDefaultWriteLock\n"
         "from minidist import glove\n"
         "from minidist.glove.model import Pairs\n"
         "pairs = Pairs(torch.tensor([0, 1]), torch.tensor([3, 2]), torch.zeros(2), torch.ones(2), 2)\n"
-        "glove.train_single(pairs, glove.GloveConfig(dim=4, epochs=2, batch_size=2))\n"
-        "print(hasattr(TqdmDefaultWriteLock, 'mp_lock'))\n"
+        "glove.train_single(pairs, glove.GloveConfig(dim=4, epochs=2, batch_size=2))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
-    )
-    assert out.stdout.strip() == "False", out.stdout + out.stderr
+    assert not _makes_tqdm_process_lock(code)
 
 
 def test_parameter_server_rejects_bad_arguments(pairs):
