@@ -143,11 +143,14 @@ def adagrad_update(
 ) -> None:
     """``table[rows] -= lr * grads / sqrt(gradsq[rows])``, then ``gradsq[rows] += grads^2``.
 
-    Repeated rows add up (``index_add_``); ``grads`` is overwritten. Rows are read with
-    ``index_select``, which gathers whole rows; ``gradsq[rows]`` computes the same but goes
-    through torch's general advanced indexing, about 1.3x slower per batch step here.
+    Repeated rows add up (``index_add_``); ``grads`` is overwritten. Two choices for speed
+    (same arithmetic, measured on one thread): rows are read with ``index_select``, which
+    gathers whole rows (``gradsq[rows]`` goes through torch's general advanced indexing, about
+    1.3x slower per batch step); and the step is scaled by ``-lr`` before ``index_add_``, whose
+    ``alpha=`` argument sends it down a slower loop (about 2.5x slower for 4096 rows of 51).
     """
-    table.index_add_(0, rows, grads / gradsq.index_select(0, rows).sqrt_(), alpha=-lr)
+    step = grads / gradsq.index_select(0, rows).sqrt_()
+    table.index_add_(0, rows, step.mul_(-lr))
     gradsq.index_add_(0, rows, grads.square_())
 
 

@@ -45,7 +45,8 @@ VARIANTS = ("dense", "sparse")
 
 def _dense_step(comm, table, gradsq, rows, grads, lr):
     delta = torch.zeros((2, *table.shape))  # [change of table, change of G]
-    delta[0].index_add_(0, rows, grads / gradsq.index_select(0, rows).sqrt_(), alpha=-lr)
+    step = grads / gradsq.index_select(0, rows).sqrt_()
+    delta[0].index_add_(0, rows, step.mul_(-lr))  # scaled first, as in adagrad_update
     delta[1].index_add_(0, rows, grads.square_())
     allreduce(comm, delta, op="sum", algorithm="ring")  # ring: its bytes are counted
     table += delta[0]
