@@ -15,10 +15,15 @@ tree -- it never runs it -- and returns the first ``Refusal`` (line, what, why) 
 * the builtins that run or look up code dynamically (``exec``, ``eval``, ``compile``,
   ``__import__``, ``globals``, ``vars``, ``open``, ``breakpoint``), dunder attributes other
   than ``__name__``/``__doc__``/``__init__`` (``f.__globals__``, ``x.__class__``) and
-  ``sys.modules``/``sys._getframe`` and friends.
+  ``sys.modules``/``sys._getframe`` and friends;
+* attribute names computed at run time (``getattr(x, name)``, ``setattr``, ``delattr``), private
+  attributes of objects that are not the submission's own (``self`` is its own only as the
+  first parameter of a method of its own class, never reassigned), and the communicator
+  wrapper's ``_comm``/``_traffic`` on any object.
 
-It is a filter for the obvious, not a proof: a name built at run time (``getattr(md, "all" +
-"reduce")``) passes it. The run time guard (``guard.py``) refuses those calls inside the
+It is a filter for the obvious, not a proof: attribute names computed at run time are refused,
+but a library function reached through another module that imports it
+(``data_parallel.allreduce``) passes it. The run time guard (``guard.py``) refuses those calls inside the
 sandbox, and ``grader/README.md`` says what is left.
 """
 
@@ -37,6 +42,7 @@ TOOL_MODULES = (
     "gc",
     "inspect",
     "ctypes",
+    "operator",  # attrgetter / methodcaller: attributes reached by a string
     "marshal",
     "code",
     "codeop",
@@ -62,6 +68,10 @@ SYS_ATTRIBUTES = (
 )
 ALLOWED_DUNDERS = ("__name__", "__doc__", "__init__")
 PUBLIC_PRIVATE = ("os._exit",)  # documented functions despite the underscore
+#: the communicator wrapper's internals (student_comm.StudentComm): refused on any receiver, ``self``
+#: included -- ``Helper.method(comm)`` makes ``self`` the wrapper, whatever the parameter is called
+WRAPPER_PRIVATE = ("_comm", "_traffic")
+ATTRIBUTE_BUILTINS = ("getattr", "setattr", "delattr")
 _ALREADY = "already does what this assignment asks you to write"
 
 
@@ -85,10 +95,7 @@ class Rules:
 
     def forbidden(self, dotted: str) -> str | None:
         """The forbidden module or name that ``dotted`` is, or lies inside; None if allowed."""
-        for prefix in (*self.modules, *self.names):
-            if dotted == prefix or dotted.startswith(prefix + "."):
-                return prefix
-        return None
+        return _within(dotted, (*self.modules, *self.names))
 
 
 @dataclass(frozen=True)
@@ -113,6 +120,7 @@ class _Checker:
         self.rules = rules
         self.aliases: dict[str, str] = {}  # local name -> the dotted name it was imported as
         self.refusals: list[Refusal] = []
+        self.own: set[int] = set()  # ids of the ``self``/``cls`` names that are the submission's own
 
     def refuse(self, node: ast.AST, what: str, why: str) -> None:
         self.refusals.append(Refusal(getattr(node, "lineno", 0), what, why))
@@ -184,17 +192,26 @@ class _Checker:
         attr = node.attr
         if attr.startswith("__") and attr.endswith("__") and attr not in ALLOWED_DUNDERS:
             self.refuse(node, ast.unparse(node), f"{attr} reaches the interpreter's internals")
-        elif attr.startswith("_") and not _is_own(node.value) and self._dotted(node) not in PUBLIC_PRIVATE:
+        elif attr in WRAPPER_PRIVATE:
+            self.refuse(node, ast.unparse(node), "the grader's communicator wrapper is not yours to open")
+        elif (
+            attr.startswith("_")
+            and id(node.value) not in self.own
+            and self._dotted(node) not in PUBLIC_PRIVATE
+        ):
             self.refuse(node, ast.unparse(node), "a private attribute of an object that is not yours")
         self._check_reference(node)
 
     def call(self, node: ast.Call) -> None:
-        if _is_literal_getattr(node):
-            name = node.args[1].value
-            if name.startswith("_") and name not in ALLOWED_DUNDERS:
-                self.refuse(
-                    node, ast.unparse(node)[:80], "a private attribute of an object that is not yours"
-                )
+        if not (isinstance(node.func, ast.Name) and node.func.id in ATTRIBUTE_BUILTINS):
+            return
+        if not _is_literal_attribute_call(node):
+            self.refuse(node, ast.unparse(node)[:80], "an attribute whose name is computed at run time")
+            return
+        name = node.args[1].value
+        if (name.startswith("_") and name not in ALLOWED_DUNDERS) or name in WRAPPER_PRIVATE:
+            self.refuse(node, ast.unparse(node)[:80], "a private attribute of an object that is not yours")
+        if node.func.id == "getattr":
             self._check_reference(node)
 
     def name(self, node: ast.Name) -> None:
@@ -218,20 +235,38 @@ class _Checker:
                     return
 
 
+def _is_literal_attribute_call(node: ast.Call) -> bool:
+    """``getattr``/``setattr``/``delattr`` with the attribute's name written as a string."""
+    return (
+        len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
+    )
+
+
 def _is_literal_getattr(node: ast.AST) -> bool:
     return (
         isinstance(node, ast.Call)
         and isinstance(node.func, ast.Name)
         and node.func.id == "getattr"
-        and len(node.args) >= 2
-        and isinstance(node.args[1], ast.Constant)
-        and isinstance(node.args[1].value, str)
+        and _is_literal_attribute_call(node)
     )
 
 
-def _is_own(node: ast.AST) -> bool:
-    """``self._x`` and ``cls._x``: a class of the submission's own may have private attributes."""
-    return isinstance(node, ast.Name) and node.id in ("self", "cls")
+def _own_receivers(tree: ast.Module) -> set[int]:
+    """The ``self``/``cls`` names (node ids) that stand for the submission's own object: the
+    first parameter of a method written directly in one of its classes, never reassigned in
+    that method. Only on them may the submission use private attributes (``self._buf``)."""
+    own: set[int] = set()
+    for cls in ast.walk(tree):
+        if not isinstance(cls, ast.ClassDef):
+            continue
+        for method in cls.body:
+            if not isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) or not method.args.args:
+                continue
+            first = method.args.args[0].arg
+            uses = [n for n in ast.walk(method) if isinstance(n, ast.Name) and n.id == first]
+            if first in ("self", "cls") and not any(isinstance(n.ctx, ast.Store) for n in uses):
+                own.update(id(n) for n in uses)
+    return own
 
 
 def _docstrings(tree: ast.Module) -> set[int]:
@@ -251,6 +286,7 @@ def check(source: str | bytes, rules: Rules, filename: str = "<submission>") -> 
     """
     tree = ast.parse(source, filename=filename)
     checker = _Checker(rules)
+    checker.own = _own_receivers(tree)
     # imports first, wherever they are, so that every use of an imported name is resolved
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

@@ -172,8 +172,7 @@ def test_sync_servers_with_backup_workers_agree_on_every_quorum(pairs):
     steps = CONFIG.epochs * -(-len(pairs) // CONFIG.batch_size)
     assert len(on_server_0) == steps
     assert on_server_1 == on_server_0
-    assert all(len(quorum) == workers - backup for quorum in on_server_0)
-    assert result.extra["dropped"] > 0  # the straggler was left out of some steps
+    assert all(len(quorum) == workers - backup for quorum in on_server_0)  # one worker left out each step
     table, gradsq = replay_sync_steps(pairs, CONFIG, workers, on_server_0)
     torch.testing.assert_close(result.table, table, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(result.gradsq, gradsq, atol=1e-5, rtol=1e-4)

@@ -158,6 +158,13 @@ REFUSED = {  # source -> what the refusal must name
     "import gc\n": "gc",
     "import sys\nm = sys.modules\n": "sys.modules",
     "def f(comm):\n    return comm._comm.workspace\n": "comm._comm",
+    "def f(self, t):\n    return self._comm\n": "self._comm",  # a parameter named self is not yours
+    "class W:\n    def m(self):\n        return self._traffic\n": "self._traffic",  # W.m(comm)
+    "class W:\n    def m(self, c):\n        self = c\n        return self._x\n": "self._x",
+    "import minidist as md\nf = getattr(md, 'all' + 'reduce')\n": "computed at run time",
+    "def f(comm, name):\n    return getattr(comm, name)\n": "computed at run time",
+    "def f(comm):\n    setattr(comm, '_x', 1)\n": "private attribute",
+    "import operator\n": "operator",
     "def f(g):\n    return g.__globals__\n": "__globals__",
     "text = open('/etc/passwd').read()\n": "open",
 }
@@ -166,8 +173,11 @@ ALLOWED = [
     "import torch\nx = torch.zeros(3)\n",
     "def f(comm, t):\n    comm.send(t, 1)\n    comm.recv(t, 1)\n    comm.barrier()\n    return comm.stats\n",
     "class Ring:\n    def __init__(self):\n        self._chunks = []\n",
+    "class Ring:\n    def size(self):\n        return len(self._chunks)\n",
+    "def f(comm):\n    return getattr(comm, 'rank')\n",
     '"""Docstrings may say minidist.collectives.ring; they are prose."""\n',
-    "import minidist as md\nf = getattr(md, 'all' + 'reduce')\n",  # built at run time: the guard's job
+    # another module's import of a library function: the intake cannot resolve it, the guard's job
+    "from minidist.glove.trainers import data_parallel\nf = data_parallel.allreduce\n",
 ]
 
 

@@ -99,7 +99,8 @@ def test_the_solution_scores_full_marks_the_stub_zero_and_the_examples_their_sco
         assert (book[student]["status"], float(book[student]["score"])) == (status, score), book[student]
     feedback = (out / "carol" / "feedback.md").read_text()
     assert "which is wrong" in feedback and "def test_" not in feedback
-    # the library's trainer: refused at intake (import named), or at run time (a name built then)
+    # the library's trainer: refused at intake (import named), or at run time (reached through
+    # the benchmark's import of it)
     assert "minidist.glove.trainers.hogwild" in book["library_trainer"]["reason"]
     assert "refused at run time" in book["hidden_trainer"]["reason"]
     assert "hogwild" in book["hidden_trainer"]["reason"]

@@ -12,7 +12,8 @@
 * with ``--bad``, the hostile and broken cases the grader's tests use (``BAD``: each with
   the status and the score it must get on ``tests/test_grade.py``'s subset of tests), and
   the ones that cheat (``CHEATING``): a call of ``md.allreduce`` (refused at intake), the same
-  through a name built at run time (refused by the run time guard), ``torch.distributed``'s
+  function reached through another module that imports it (``data_parallel.allreduce``: the
+  intake check cannot resolve it, the run time guard refuses the call), ``torch.distributed``'s
   allreduce, a gather-and-broadcast allreduce that forges ``comm.stats``, and a copy of
   ``lib/minidist/collectives/ring.py`` (graded normally, flagged for the instructor).
 
@@ -265,8 +266,9 @@ def ring_allreduce(comm, tensor):
 """
 OBFUSCATED_CALL = """
 def ring_allreduce(comm, tensor):
-    name = "all" + "reduce"  # a name built at run time: the intake check cannot see it
-    getattr(md, name)(comm, tensor)  # ... the run time guard refuses the call
+    # the library's allreduce, imported by another module: the intake check cannot resolve
+    # the name, the run time guard refuses the call
+    data_parallel.allreduce(comm, tensor)
 """
 TORCH_CALL = """
 def ring_allreduce(comm, tensor):
@@ -329,9 +331,12 @@ def ring_copy(solution: str) -> str:
 def cheating(solution: str) -> dict[str, dict[str, bytes]]:
     with_md = prepend(solution, "import minidist as md")
     with_dist = prepend(solution, "import torch.distributed as dist")
+    with_reexport = prepend(solution, "from minidist.glove.trainers import data_parallel")
     return {
         "library_call": {FILE: replace_function(with_md, "ring_allreduce", LIBRARY_CALL).encode()},
-        "obfuscated_call": {FILE: replace_function(with_md, "ring_allreduce", OBFUSCATED_CALL).encode()},
+        "obfuscated_call": {
+            FILE: replace_function(with_reexport, "ring_allreduce", OBFUSCATED_CALL).encode()
+        },
         "torch_call": {FILE: replace_function(with_dist, "ring_allreduce", TORCH_CALL).encode()},
         "forged_stats": {FILE: replace_function(solution, "ring_allreduce", FORGED_STATS).encode()},
         "ring_copy": {FILE: ring_copy(solution).encode()},

@@ -12,8 +12,9 @@
 * ``erin``: imports a module that does not exist;
 * ``library_trainer``: its ``hogwild_worker`` calls the library's Hogwild worker
   (``minidist.glove.trainers.hogwild``): refused at intake, status ``forbidden``;
-* ``hidden_trainer``: the same through a name built at run time, which the intake check cannot
-  see: the run time guard refuses the call, status ``forbidden``.
+* ``hidden_trainer``: the same through another module that imports the trainers
+  (``minidist.bench.glove``), which the intake check cannot resolve: the run time guard
+  refuses the call, status ``forbidden``.
 
 ``EXPECTED`` holds the status and score each must get on all the hidden tests. The
 submissions are generated from ``solutions/`` and ``assignments/`` (so they follow the
@@ -50,8 +51,8 @@ def hogwild_worker(comm, order, table, gradsq, config):
 """
 HIDDEN_HOGWILD = """
 def hogwild_worker(comm, order, table, gradsq, config):
-    module = getattr(trainers, "hog" + "wild")  # a name built at run time
-    history, _ = getattr(module, "hogwild" + "_worker")(comm, order, table, gradsq, config, False)
+    # the trainers, as imported by the benchmark: the intake check cannot resolve the name
+    history, _ = bench_glove.t.hogwild.hogwild_worker(comm, order, table, gradsq, config, False)
     return [loss for _, loss in history]
 """
 
@@ -85,7 +86,9 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         "import torch\nfrom minidist.glove.trainers.hogwild import hogwild_worker as library_hogwild\n",
     )
     library = replace_function(library, "hogwild_worker", LIBRARY_HOGWILD)
-    hidden = edit(solution, "import torch\n", "import torch\nfrom minidist.glove import trainers\n")
+    hidden = edit(
+        solution, "import torch\n", "import torch\nfrom minidist.bench import glove as bench_glove\n"
+    )
     hidden = replace_function(hidden, "hogwild_worker", HIDDEN_HOGWILD)
     texts = (solution, bob, carol, dave, erin, library, hidden)
     return {name: {FILE: text.encode()} for name, text in zip(EXPECTED, texts)}

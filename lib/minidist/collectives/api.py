@@ -149,7 +149,7 @@ def allreduce(comm, tensor: torch.Tensor, op: str = "sum", algorithm: str = "aut
         raise ValueError(f"unknown allreduce algorithm {algorithm!r}; choose one of {ALLREDUCE_ALGORITHMS}")
     workspace = getattr(comm, "shared_workspace", None)  # duck-typed communicators may lack it
     if algorithm == "auto":
-        algorithm = "shm" if workspace is not None else choose_allreduce(comm, tensor.nbytes)
+        algorithm = choose_allreduce(comm, tensor.nbytes)
     elif algorithm == "shm" and workspace is None:
         raise ValueError(
             f"algorithm='shm' works only with transport='shm' (this is {type(comm).__name__}, "

@@ -295,13 +295,3 @@ class MailboxComm(Communicator):
             self._presence.leave()  # a peer still waiting for us now gets a PeerError
         self._out.clear()
         self._in.clear()
-
-
-def __getattr__(name: str):
-    """``from minidist.transport.shm import ShmComm`` keeps working: the class that
-    adds the fast path lives in ``shm_fastpath`` (which imports this module)."""
-    if name == "ShmComm":
-        from .shm_fastpath import ShmComm
-
-        return ShmComm
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
