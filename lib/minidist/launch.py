@@ -131,7 +131,9 @@ def _worker_main(spec: WorkerSpec, fn, args, kwargs, result_conn, resources, out
     try:
         device = torch.device(spec.device)
         if device.type == "cuda":
-            device = torch.device("cuda", spec.local_rank)
+            # One GPU per rank when there are enough; otherwise ranks share GPUs round-robin
+            # (allowed for shm and pipe, which stage through the CPU; see _check_device).
+            device = torch.device("cuda", spec.local_rank % torch.cuda.device_count())
             torch.cuda.set_device(device)
         # No per-operation timeout: the launcher watches the whole run and, on timeout,
         # shows where each rank is stuck -- more useful than one rank's TimeoutError.
@@ -265,7 +267,9 @@ def launch(
         start_method: "forkserver" (default), "spawn" or "fork".
         timeout: seconds before every rank still running is killed and
             ``LaunchTimeout`` is raised (None: wait forever -- not recommended).
-        device: "cpu" or "cuda" (rank r uses ``cuda:local_rank``).
+        device: "cpu" or "cuda" (rank r uses ``cuda:local_rank``; with fewer GPUs than
+            ranks, the shm and pipe transports share them round-robin, ``cuda:local_rank % count``;
+            NCCL under the torch transport needs one GPU per rank).
         threads_per_worker: torch intra-op threads per rank (default: cores / ranks).
         forward_output: show workers' stdout/stderr here, prefixed with the rank.
 
@@ -298,7 +302,7 @@ def launch(
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     _check_function(fn, start_method)
-    _check_device(device, world_size, start_method)
+    _check_device(device, world_size, start_method, transport)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     threads = threads_per_worker or max(1, cores // world_size)
 
@@ -467,7 +471,7 @@ def _wait_for_results(processes, readers, timeout, stack_dir) -> list:
     return [results[rank] for rank in range(world_size)]
 
 
-def _check_device(device: str, world_size: int, start_method: str) -> None:
+def _check_device(device: str, world_size: int, start_method: str, transport: str = "torch") -> None:
     kind = torch.device(device).type
     if kind == "cpu":
         return
@@ -475,10 +479,11 @@ def _check_device(device: str, world_size: int, start_method: str) -> None:
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if not torch.cuda.is_available():
         raise RuntimeError("device='cuda' but torch sees no CUDA GPU here; use device='cpu'")
-    if torch.cuda.device_count() < world_size:
+    if transport == "torch" and torch.cuda.device_count() < world_size:
         raise ValueError(
-            f"world_size={world_size} ranks need one GPU each, but {torch.cuda.device_count()} "
-            "are visible; lower world_size or use device='cpu'"
+            f"world_size={world_size} ranks need one GPU each under the torch transport (NCCL refuses "
+            f"two ranks on one GPU), but {torch.cuda.device_count()} are visible; lower world_size, "
+            "use transport='shm' or 'pipe' (ranks then share GPUs), or use device='cpu'"
         )
     if start_method == "fork":
         raise ValueError("CUDA does not work in forked processes; use start_method='forkserver' or 'spawn'")
