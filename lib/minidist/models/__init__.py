@@ -1,0 +1,11 @@
+"""Course models (layer 5): one transformer (``transformer``) under BERT (``bert``) and a decoder LM.
+
+from minidist.models import bert, decoder
+model = bert.BertForMLM(bert.CONFIGS["mini"])
+with torch.device("meta"):
+    lm = decoder.DecoderLM(decoder.CONFIGS["bloom-176b"])   # shapes only, no memory
+"""
+
+from minidist.models import bert, decoder, transformer
+
+__all__ = ["bert", "decoder", "transformer"]

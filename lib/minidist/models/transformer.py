@@ -1,0 +1,335 @@
+"""One transformer, written from scratch on torch, shared by BERT and the decoder.
+
+Everything a course model needs sits in this file, so a student reads one page:
+
+    input_ids ──► Embeddings: word + position (learned, or none with ALiBi) + segment
+                  [+ LayerNorm]                                   (B, T, d)
+              ──► TransformerBlock × n_layers
+                      attention: softmax(Q Kᵀ / √d_head + bias) V, per head, then a projection
+                      MLP:       Linear(d, 4d) ─ GELU ─ Linear(4d, d)
+              ──► [final LayerNorm, pre-LN only]                  (B, T, d)
+
+Two block layouts, chosen by ``TransformerConfig.pre_ln``:
+
+    post-LN (BERT, as in the paper)      pre-LN (GPT-2, OPT, BLOOM)
+    x = LN(x + Attn(x))                  x = x + Attn(LN(x))
+    x = LN(x + MLP(x))                   x = x + MLP(LN(x))
+                                         ... and one LayerNorm after the last block
+
+Pre-LN keeps an un-normalised residual path from input to output, which is why deep decoders
+(96 layers) train with it; BERT's 12 post-LN layers train fine with warm-up.
+
+The ``causal`` flag makes position i attend only to positions j <= i (the decoder); the
+same block without it is BERT's bidirectional encoder. Attention is computed explicitly
+(scores, mask, softmax, weighted sum) so that every step is visible; the tests check it against
+``torch.nn.functional.scaled_dot_product_attention``.
+
+Dropout defaults to 0 in every course config: dropout draws a random mask from each process's
+generator, so a data-parallel run and its single-process reference (or two ranks of one run)
+would see different masks and their results could only be compared statistically. With
+dropout 0 a run is a deterministic function of its seed and data, and our short runs on a small
+corpus are far from overfitting anyway. Set ``dropout`` > 0 for long pre-training.
+
+Cost: a block holds 12 d² + 13 d parameters (Q, K, V, output: 4 d² + 4 d; MLP with a 4d
+inner size: 8 d² + 5 d; two LayerNorms: 4 d) and costs about 24 B T d² + 4 B T² d
+multiply-adds forward for a batch of B sequences of T tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "TransformerConfig",
+    "Embeddings",
+    "MultiHeadSelfAttention",
+    "MLP",
+    "TransformerBlock",
+    "Transformer",
+    "alibi_slopes",
+    "attention_bias",
+    "parameter_count",
+]
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Shape and options of one transformer; frozen so that a config is a value (hashable, safe to share).
+
+    ``position`` is ``"learned"`` (a table of ``max_positions`` vectors added to the word
+    vectors: BERT, GPT, OPT) or ``"alibi"`` (no position table; each head adds
+    ``-slope * (i - j)`` to the score of query i for key j: BLOOM).
+    ``type_vocab_size`` is the number of segment embeddings (2 for BERT's sentence A/B, 0 for none).
+    ``intermediate_size`` 0 means 4 * hidden_size.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    n_layers: int
+    n_heads: int
+    max_positions: int
+    intermediate_size: int = 0
+    type_vocab_size: int = 0
+    position: str = "learned"
+    causal: bool = False
+    pre_ln: bool = False
+    embedding_layernorm: bool = True
+    dropout: float = 0.0
+    layer_norm_eps: float = 1e-12
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.n_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by n_heads {self.n_heads}: "
+                "each head gets hidden_size / n_heads dimensions; pick n_heads that divides it"
+            )
+        if self.position not in ("learned", "alibi"):
+            raise ValueError(f"position must be 'learned' or 'alibi', got {self.position!r}")
+        if min(self.vocab_size, self.hidden_size, self.n_layers, self.n_heads, self.max_positions) < 1:
+            raise ValueError(f"sizes must be positive: {self}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.n_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.intermediate_size or 4 * self.hidden_size
+
+
+def parameter_count(cfg: TransformerConfig) -> int:
+    """Parameters of ``Transformer(cfg)`` by formula (embeddings, blocks, final LayerNorm; no head).
+
+    word V·d + positions P·d (learned only) + segments S·d + embedding LayerNorm 2d
+    + n_layers · (4d² + 4d  [Q, K, V, output]  +  2·d·f + f + d  [MLP]  +  4d  [2 LayerNorms])
+    + 2d final LayerNorm (pre-LN only).
+    """
+    d, f = cfg.hidden_size, cfg.ffn_size
+    embed = cfg.vocab_size * d + cfg.type_vocab_size * d
+    if cfg.position == "learned":
+        embed += cfg.max_positions * d
+    if cfg.embedding_layernorm:
+        embed += 2 * d
+    block = 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
+    final = 2 * d if cfg.pre_ln else 0
+    return embed + cfg.n_layers * block + final
+
+
+def alibi_slopes(n_heads: int) -> torch.Tensor:
+    """ALiBi's per-head slopes (Press et al., 2022): a geometric sequence 2^(-8/n), 2^(-16/n), ...
+
+    For n a power of two, head h (1-based) gets 2^(-8h/n). Otherwise take the n' = largest power
+    of two below n, use its n' slopes, and fill the rest with every other slope of the 2n'
+    sequence (the ones that fall between) -- BLOOM's 112 heads use 64 + 48 this way.
+    """
+    if n_heads < 1:
+        raise ValueError(f"n_heads must be positive, got {n_heads}")
+
+    def geometric(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * h / n) for h in range(1, n + 1)]
+
+    base = 2 ** math.floor(math.log2(n_heads))
+    slopes = geometric(base)
+    if base < n_heads:
+        slopes += geometric(2 * base)[0::2][: n_heads - base]
+    return torch.tensor(slopes)
+
+
+def attention_bias(
+    cfg: TransformerConfig,
+    seq_len: int,
+    attention_mask: torch.Tensor | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor | None:
+    """The additive bias on attention scores, broadcastable to (B, n_heads, T, T), or None.
+
+    Three parts, summed: ALiBi distances (``-slope * (i - j)``), the causal mask (a very negative
+    number where key j > query i), and the padding mask (where ``attention_mask[b, j] == 0``).
+    We use ``finfo.min`` rather than -inf so that a row with every key masked gives a uniform
+    softmax instead of NaN.
+    """
+    bias = None
+    positions = torch.arange(seq_len, device=device)
+    distance = positions[:, None] - positions[None, :]  # (T, T): i - j
+    if cfg.position == "alibi":
+        slopes = alibi_slopes(cfg.n_heads).to(device=device, dtype=dtype)
+        # Without the causal mask, keys after the query would get a bonus; |i - j| treats both ways alike.
+        bias = -slopes[:, None, None] * distance.abs().to(dtype)[None]  # (H, T, T)
+        bias = bias[None]
+    very_negative = torch.finfo(dtype).min
+    if cfg.causal:
+        causal = torch.zeros(seq_len, seq_len, dtype=dtype, device=device)
+        causal.masked_fill_(distance < 0, very_negative)
+        bias = causal[None, None] if bias is None else bias + causal
+    if attention_mask is not None:
+        if attention_mask.shape[-1] != seq_len:
+            raise ValueError(
+                f"attention_mask has {attention_mask.shape[-1]} positions, input_ids has {seq_len}: "
+                "pass a (batch, seq_len) mask with 1 for real tokens and 0 for padding"
+            )
+        pad = torch.zeros(attention_mask.shape, dtype=dtype, device=device)
+        pad.masked_fill_(attention_mask == 0, very_negative)
+        pad = pad[:, None, None, :]  # (B, 1, 1, T): masks keys
+        bias = pad if bias is None else bias + pad
+    if bias is not None:
+        # Sums of two finfo.min overflow to -inf; clamp keeps every entry finite.
+        bias = bias.clamp(min=very_negative)
+    return bias
+
+
+class Embeddings(nn.Module):
+    """word + position (learned only) + segment vectors, then LayerNorm (optional) and dropout."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.word = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.position = (
+            nn.Embedding(cfg.max_positions, cfg.hidden_size) if cfg.position == "learned" else None
+        )
+        self.segment = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size) if cfg.type_vocab_size else None
+        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps) if cfg.embedding_layernorm else None
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        seq_len = input_ids.shape[1]
+        if seq_len > self.cfg.max_positions and self.position is not None:
+            raise ValueError(
+                f"sequence of {seq_len} tokens, but the model has {self.cfg.max_positions} positions: "
+                "cut the input into blocks of at most max_positions"
+            )
+        x = self.word(input_ids)
+        if self.position is not None:
+            x = x + self.position(torch.arange(seq_len, device=input_ids.device))[None]
+        if self.segment is not None:
+            if token_type_ids is None:
+                token_type_ids = torch.zeros_like(input_ids)
+            x = x + self.segment(token_type_ids)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.dropout(x)
+
+
+class MultiHeadSelfAttention(nn.Module):
+    """softmax(Q Kᵀ / √d_head + bias) V for each of n_heads heads, concatenated, then projected.
+
+    x (B, T, d) ─► Q, K, V = x W_q, x W_k, x W_v       each (B, T, d) split into (B, H, T, d/H)
+               ─► scores = Q Kᵀ / √(d/H) + bias        (B, H, T, T)
+               ─► weights = softmax over keys; out = weights V, heads concatenated ─► W_o
+    """
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.head_dim = cfg.head_dim
+        self.causal = cfg.causal
+        d = cfg.hidden_size
+        self.query = nn.Linear(d, d)
+        self.key = nn.Linear(d, d)
+        self.value = nn.Linear(d, d)
+        self.output = nn.Linear(d, d)
+        self.attn_dropout = nn.Dropout(cfg.dropout)
+
+    def split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        return x.view(batch, seq_len, self.n_heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        batch, seq_len, d = x.shape
+        q, k, v = (
+            self.split_heads(self.query(x)),
+            self.split_heads(self.key(x)),
+            self.split_heads(self.value(x)),
+        )
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)  # (B, H, T, T)
+        if bias is not None:
+            scores = scores + bias
+        weights = self.attn_dropout(torch.softmax(scores, dim=-1))
+        out = (weights @ v).transpose(1, 2).reshape(batch, seq_len, d)
+        return self.output(out)
+
+
+class MLP(nn.Module):
+    """Linear(d, f) ─ GELU ─ Linear(f, d), applied to every position alone (f = 4d by default).
+
+    GELU here is the exact one, x·Φ(x) with the normal CDF (BERT's); GPT-2 used a tanh approximation.
+    """
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(cfg.hidden_size, cfg.ffn_size)
+        self.down = nn.Linear(cfg.ffn_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class TransformerBlock(nn.Module):
+    """Attention then MLP, each with a residual connection; post-LN or pre-LN (see the module docstring)."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.pre_ln = cfg.pre_ln
+        self.attention = MultiHeadSelfAttention(cfg)
+        self.attention_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.mlp = MLP(cfg)
+        self.mlp_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.pre_ln:
+            x = x + self.dropout(self.attention(self.attention_norm(x), bias))
+            return x + self.dropout(self.mlp(self.mlp_norm(x)))
+        x = self.attention_norm(x + self.dropout(self.attention(x, bias)))
+        return self.mlp_norm(x + self.dropout(self.mlp(x)))
+
+
+class Transformer(nn.Module):
+    """Embeddings, ``n_layers`` blocks and (pre-LN) a final LayerNorm: token ids (B, T) -> states (B, T, d).
+
+    Weights start as N(0, init_std²) with zero biases and unit LayerNorms (BERT's and GPT's
+    initialisation). On ``torch.device("meta")`` nothing is allocated, so a 176B-parameter
+    model can be built to count and inspect.
+    """
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = Embeddings(cfg)
+        self.blocks = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.final_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps) if cfg.pre_ln else None
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear | nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}")
+        x = self.embeddings(input_ids, token_type_ids)
+        bias = attention_bias(self.cfg, input_ids.shape[1], attention_mask, x.dtype, x.device)
+        for block in self.blocks:
+            x = block(x, bias)
+        if self.final_norm is not None:
+            x = self.final_norm(x)
+        return x
