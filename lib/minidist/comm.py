@@ -434,6 +434,7 @@ class Communicator:
         raise NotImplementedError
 
     def close(self) -> None:
+        stop_collective_stream(self)
         for queues in (self._send_queues, self._recv_queues):
             for peer_queue in queues.values():
                 peer_queue.jobs.put(None)
@@ -457,6 +458,19 @@ class Communicator:
         ``stats``, but ``shared_workspace`` is None, so collectives called on it run the
         point-to-point algorithms (what a student's code must be measured against)."""
         return PlainComm(self)
+
+
+def stop_collective_stream(comm: object) -> None:
+    """Stop the communication thread of ``comm``'s async collectives, if it has one.
+
+    That thread (``collectives.async_ops``, a higher layer) parks itself on the
+    communicator as ``_collective_stream``; closing lets its queued collectives run,
+    then ends it. Every transport's ``close()`` calls this first (views such as
+    ``PlainComm`` have no thread of their own: they use their inner communicator's).
+    """
+    stream = vars(comm).pop("_collective_stream", None)
+    if stream is not None:
+        stream.stop()
 
 
 class PlainComm(Communicator):
@@ -503,4 +517,5 @@ class PlainComm(Communicator):
         return self
 
     def close(self) -> None:
-        """Nothing to release: the inner communicator belongs to whoever created it."""
+        """Nothing to release: the inner communicator belongs to whoever created it (its
+        async collectives, the view's included, run on the inner's communication thread)."""

@@ -2,7 +2,8 @@
 
 ``broadcast``, ``reduce``, ``allreduce`` (star, tree, ring, butterfly, shm),
 ``allgather``, ``reduce_scatter``, ``barrier``; ``cost_model`` predicts what
-each costs.
+each costs. Every collective but barrier takes ``async_op=True`` and then returns
+a ``CollectiveWork`` handle (``async_ops``: one communication thread per communicator).
 """
 
 from . import cost_model
@@ -16,11 +17,14 @@ from .api import (
     reduce,
     reduce_scatter,
 )
+from .async_ops import CollectiveStreamError, CollectiveWork
 from .ops import OPS
 
 __all__ = [
     "ALLREDUCE_ALGORITHMS",
     "OPS",
+    "CollectiveStreamError",
+    "CollectiveWork",
     "allgather",
     "allreduce",
     "barrier",

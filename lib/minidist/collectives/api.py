@@ -17,14 +17,21 @@ transport), ``allreduce`` runs ``shm_allreduce``, which sends no messages at all
 it receives the signature computed here and compares it across the ranks through
 the workspace. ``comm.without_shortcuts()`` gives a communicator without a
 workspace, on which ``allreduce`` takes the point-to-point algorithms.
+
+Every collective but barrier takes ``async_op=True``: the arguments are still
+checked here, in the caller's thread (a bad op or shape raises at once), and the
+work itself goes to the communicator's communication thread (``async_ops``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from ..errors import MessageMismatch
 from . import cost_model
+from .async_ops import CollectiveWork, run_collective
 from .butterfly import butterfly_allreduce_
 from .ops import Flat, check_op, chunk_bounds, finish_
 from .ring import ring_allgather_, ring_reduce_scatter_
@@ -46,6 +53,10 @@ def _check(comm, tensor, name: str) -> None:
 def _check_root(comm, root: int, what: str) -> None:
     if not 0 <= root < comm.world_size:
         raise ValueError(f"{what}={root} is not a rank: ranks are 0..{comm.world_size - 1}")
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    return f"{str(tensor.dtype).removeprefix('torch.')} {tuple(tensor.shape)}"
 
 
 def _explained(name: str, error: MessageMismatch) -> MessageMismatch:
@@ -72,20 +83,28 @@ def _agree_on_root(comm, tag: int) -> None:
     work.wait()
 
 
-def broadcast(comm, tensor: torch.Tensor, src: int = 0, algorithm: str = "auto") -> torch.Tensor:
+def broadcast(
+    comm, tensor: torch.Tensor, src: int = 0, algorithm: str = "auto", async_op: bool = False
+) -> torch.Tensor | CollectiveWork:
     """Copy ``src``'s tensor into every rank's ``tensor`` (in place).
 
     star: the root sends p-1 messages; tree: ceil(log2 p) rounds (see ``rooted``);
     ``auto`` is tree. Both start with one round of empty messages that checks the
-    ranks agree (``_agree_on_root``).
+    ranks agree (``_agree_on_root``). ``async_op=True``: returns a ``CollectiveWork``
+    at once (see ``async_ops``); its ``wait()`` returns ``tensor``.
     """
     _check(comm, tensor, "broadcast")
     _check_root(comm, src, "src")
     if algorithm not in ROOTED_ALGORITHMS:
         raise ValueError(f"unknown broadcast algorithm {algorithm!r}; choose one of {ROOTED_ALGORITHMS}")
+    algorithm = "star" if algorithm == "star" else "tree"
+    body = functools.partial(_broadcast, comm, tensor, src, algorithm)
+    return run_collective(comm, lambda: f"broadcast(src={src}, {_describe(tensor)})", body, async_op)
+
+
+def _broadcast(comm, tensor: torch.Tensor, src: int, algorithm: str) -> torch.Tensor:
     if comm.world_size == 1:
         return tensor
-    algorithm = "star" if algorithm == "star" else "tree"
     flat = Flat(tensor)
     try:
         tag = signature_tag("broadcast", tensor, src, algorithm)
@@ -97,19 +116,30 @@ def broadcast(comm, tensor: torch.Tensor, src: int = 0, algorithm: str = "auto")
 
 
 def reduce(
-    comm, tensor: torch.Tensor, dst: int = 0, op: str = "sum", algorithm: str = "auto"
-) -> torch.Tensor:
+    comm,
+    tensor: torch.Tensor,
+    dst: int = 0,
+    op: str = "sum",
+    algorithm: str = "auto",
+    async_op: bool = False,
+) -> torch.Tensor | CollectiveWork:
     """Combine every rank's tensor with ``op`` into ``dst``'s tensor (in place on ``dst``;
     the other ranks' tensors are left unchanged). Like ``broadcast``, it starts with
-    one round of empty messages that checks the ranks agree."""
+    one round of empty messages that checks the ranks agree. ``async_op=True``:
+    returns a ``CollectiveWork`` whose ``wait()`` returns ``tensor``."""
     _check(comm, tensor, "reduce")
     _check_root(comm, dst, "dst")
     check_op(op, tensor)
     if algorithm not in ROOTED_ALGORITHMS:
         raise ValueError(f"unknown reduce algorithm {algorithm!r}; choose one of {ROOTED_ALGORITHMS}")
+    algorithm = "star" if algorithm == "star" else "tree"
+    body = functools.partial(_reduce, comm, tensor, dst, op, algorithm)
+    return run_collective(comm, lambda: f"reduce(dst={dst}, op={op!r}, {_describe(tensor)})", body, async_op)
+
+
+def _reduce(comm, tensor: torch.Tensor, dst: int, op: str, algorithm: str) -> torch.Tensor:
     if comm.world_size == 1:
         return tensor
-    algorithm = "star" if algorithm == "star" else "tree"
     flat = Flat(tensor)
     try:
         tag = signature_tag("reduce", tensor, dst, op, algorithm)
@@ -123,7 +153,9 @@ def reduce(
     return tensor
 
 
-def allreduce(comm, tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -> torch.Tensor:
+def allreduce(
+    comm, tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto", async_op: bool = False
+) -> torch.Tensor | CollectiveWork:
     """Every rank's ``tensor`` becomes the combination (``op``) of all ranks' tensors, in place.
 
     Algorithms (p ranks, n bytes; bytes are sent per rank):
@@ -142,6 +174,10 @@ def allreduce(comm, tensor: torch.Tensor, op: str = "sum", algorithm: str = "aut
     transport), otherwise the algorithm the alpha-beta cost model predicts to be
     fastest (see ``cost_model``). The root of star and tree is always rank 0, so
     the data messages themselves carry the signature check; no extra round.
+
+    ``async_op=True`` returns a ``CollectiveWork`` at once; the allreduce runs on
+    the communicator's communication thread (``async_ops``) and ``wait()``
+    returns ``tensor``. Do not read or write ``tensor`` before ``wait()``.
     """
     _check(comm, tensor, "allreduce")
     check_op(op, tensor)
@@ -155,6 +191,12 @@ def allreduce(comm, tensor: torch.Tensor, op: str = "sum", algorithm: str = "aut
             f"algorithm='shm' works only with transport='shm' (this is {type(comm).__name__}, "
             "which has no shared workspace); use 'ring', 'butterfly', 'tree' or 'star'"
         )
+    body = functools.partial(_allreduce, comm, tensor, op, algorithm, workspace)
+    name = lambda: f"allreduce(op={op!r}, {algorithm}, {_describe(tensor)})"  # noqa: E731
+    return run_collective(comm, name, body, async_op)
+
+
+def _allreduce(comm, tensor: torch.Tensor, op: str, algorithm: str, workspace) -> torch.Tensor:
     p = comm.world_size
     if p == 1:
         return tensor
@@ -196,14 +238,22 @@ def choose_allreduce(comm, nbytes: int) -> str:
     return cost_model.fastest_allreduce(comm.world_size, nbytes, cost_model.DEFAULTS.get(comm.name))
 
 
-def allgather(comm, tensor: torch.Tensor, algorithm: str = "auto") -> torch.Tensor:
+def allgather(
+    comm, tensor: torch.Tensor, algorithm: str = "auto", async_op: bool = False
+) -> torch.Tensor | CollectiveWork:
     """Return a new tensor of shape (world_size, *tensor.shape) whose row r is rank r's tensor.
 
-    Ring: p-1 steps, each rank sends (p-1) * n bytes in all.
+    Ring: p-1 steps, each rank sends (p-1) * n bytes in all. ``async_op=True``:
+    returns a ``CollectiveWork`` whose ``wait()`` returns the new tensor.
     """
     _check(comm, tensor, "allgather")
     if algorithm not in ("auto", "ring"):
         raise ValueError(f"unknown allgather algorithm {algorithm!r}; choose 'ring'")
+    body = functools.partial(_allgather, comm, tensor)
+    return run_collective(comm, lambda: f"allgather({_describe(tensor)})", body, async_op)
+
+
+def _allgather(comm, tensor: torch.Tensor) -> torch.Tensor:
     p = comm.world_size
     out = torch.empty((p, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
     out[comm.rank].copy_(tensor)
@@ -216,11 +266,14 @@ def allgather(comm, tensor: torch.Tensor, algorithm: str = "auto") -> torch.Tens
     return out
 
 
-def reduce_scatter(comm, tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto") -> torch.Tensor:
+def reduce_scatter(
+    comm, tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto", async_op: bool = False
+) -> torch.Tensor | CollectiveWork:
     """Return block ``rank`` (along dim 0) of the combination of every rank's tensor.
 
     ``tensor.shape[0]`` must be divisible by world_size; the result has shape
-    (tensor.shape[0] // world_size, *tensor.shape[1:]). The input is not modified.
+    (tensor.shape[0] // world_size, *tensor.shape[1:]). The input is not modified
+    (with ``async_op=True``, do not modify it before ``wait()``, which returns the result).
     Ring: p-1 steps, each rank sends (p-1)/p * n bytes.
     """
     _check(comm, tensor, "reduce_scatter")
@@ -233,6 +286,12 @@ def reduce_scatter(comm, tensor: torch.Tensor, op: str = "sum", algorithm: str =
             f"reduce_scatter splits dim 0 into {p} equal blocks, but the tensor has shape "
             f"{tuple(tensor.shape)}: pad dim 0 to a multiple of world_size={p}"
         )
+    body = functools.partial(_reduce_scatter, comm, tensor, op)
+    return run_collective(comm, lambda: f"reduce_scatter(op={op!r}, {_describe(tensor)})", body, async_op)
+
+
+def _reduce_scatter(comm, tensor: torch.Tensor, op: str) -> torch.Tensor:
+    p = comm.world_size
     rows = tensor.shape[0] // p
     work = tensor.detach().contiguous().clone().view(-1)
     block = work.numel() // p
@@ -246,5 +305,7 @@ def reduce_scatter(comm, tensor: torch.Tensor, op: str = "sum", algorithm: str =
 
 
 def barrier(comm) -> None:
-    """Return when every rank has called barrier (a dissemination barrier, ceil(log2 p) rounds)."""
-    comm.barrier()
+    """Return when every rank has called barrier (a dissemination barrier, ceil(log2 p) rounds).
+
+    Like a blocking collective, it waits for this rank's pending async collectives first."""
+    run_collective(comm, lambda: "barrier", comm.barrier, async_op=False)
