@@ -13,7 +13,8 @@
     outs = md.launch(worker, world_size=2, args=(2.0,), transport="shm")
 
 Layers (each uses only the ones above it): ``launch`` -> transports
-(``pipe``, ``shm``, ``torch``) -> collectives -> training patterns (``minidist.parallel``)
+(``pipe``, ``shm``, ``torch``) -> collectives -> training patterns (``minidist.parallel``,
+``md.DistributedDataParallel``)
 -> models and data (``minidist.glove``) -> tools (``minidist.bench``).
 The GloVe track is imported on its own: ``from minidist import glove``.
 """
@@ -23,6 +24,7 @@ from .collectives import allgather, allreduce, barrier, broadcast, cost_model, r
 from .comm import CommStats, Communicator, Work
 from .errors import LaunchTimeout, MessageMismatch, PeerError, WorkerError
 from .launch import launch
+from .parallel.ddp import DistributedDataParallel
 from .transport import TRANSPORTS, PipeComm, ShmComm, TorchComm
 
 __version__ = "0.1.0"
@@ -37,6 +39,7 @@ __all__ = [
     "reduce",
     "reduce_scatter",
     "CommStats",
+    "DistributedDataParallel",
     "Communicator",
     "LaunchTimeout",
     "MessageMismatch",

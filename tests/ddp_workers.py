@@ -1,0 +1,220 @@
+"""Worker functions and a tiny model for tests/test_ddp.py (importable by md.launch workers).
+
+Every run is described by a plain dict (``config``) so the single-process reference
+and the ranks build exactly the same model and data:
+
+    world_size, batch (per rank), steps, micro (micro-steps accumulated per step),
+    bucket_mb, tie, unused, frozen, sometimes_used, find_unused, overlap, seed
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import minidist as md
+from minidist.parallel.buckets import allreduce_average
+
+VOCAB, DIM, SEQ = 13, 8, 5
+
+
+def config(**overrides) -> dict:
+    base = dict(
+        world_size=2,
+        batch=3,
+        steps=3,
+        micro=1,
+        bucket_mb=1.0,
+        tie=False,
+        unused=False,
+        frozen=False,
+        sometimes_used=False,
+        find_unused=False,
+        overlap=True,
+        seed=1234,
+        lr=0.01,
+    )
+    base.update(overrides)
+    return base
+
+
+class TinyNet(nn.Module):
+    """Embedding -> tanh(Linear) [-> + frozen Linear] -> Linear head; options for the DDP corner cases.
+
+    tie: the head's weight IS the embedding table (one Parameter, two names).
+    unused: a Linear that forward never calls. frozen: a Linear with requires_grad=False.
+    sometimes_used: a Linear applied only to samples with an even target, so a rank
+    whose slice has none does not use it in that step.
+    A buffer ``scale`` (rank-specific at init) checks that buffers are broadcast too.
+    """
+
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.hidden = nn.Linear(DIM, DIM)
+        self.frozen = nn.Linear(DIM, DIM).requires_grad_(False) if cfg["frozen"] else None
+        self.extra = nn.Linear(DIM, 2) if cfg["sometimes_used"] else None
+        self.head = nn.Linear(DIM, VOCAB)
+        if cfg["tie"]:
+            self.head.weight = self.embed.weight
+        self.unused = nn.Linear(DIM, 3) if cfg["unused"] else None
+        self.register_buffer("scale", 1.0 + 0.1 * torch.rand(DIM))
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids).mean(dim=1) * self.scale
+        h = torch.tanh(self.hidden(h))
+        if self.frozen is not None:
+            h = h + self.frozen(h)
+        loss = F.cross_entropy(self.head(h), targets)  # mean over this batch
+        if self.extra is not None:
+            even = (targets % 2 == 0).nonzero().flatten()
+            if even.numel():  # a sum over the chosen samples / batch size: decomposes over ranks
+                loss = loss + self.extra(h[even]).pow(2).sum() / len(targets)
+        return loss
+
+
+def make_model(cfg: dict, seed: int) -> TinyNet:
+    torch.manual_seed(seed)
+    return TinyNet(cfg)
+
+
+def make_data(cfg: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [steps, micro, p*b, SEQ], targets [steps, micro, p*b]; the same on every rank."""
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    n = cfg["world_size"] * cfg["batch"]
+    ids = torch.randint(0, VOCAB, (cfg["steps"], cfg["micro"], n, SEQ), generator=gen)
+    targets = torch.randint(0, VOCAB, (cfg["steps"], cfg["micro"], n), generator=gen)
+    if cfg["sometimes_used"]:  # step 0: rank 0's slice has odd targets only -> extra unused there
+        b = cfg["batch"]
+        targets[0, :, :b] = targets[0, :, :b] % 6 * 2 + 1  # 1, 3, ..., 11
+        targets[0, :, b] = 4  # and rank 1 surely uses it
+    return ids, targets
+
+
+def _optimizer(model: nn.Module, cfg: dict) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.1)
+
+
+def train_single(cfg: dict) -> dict[str, torch.Tensor]:
+    """The reference: one process, the whole batch (p*b samples x micro) per step."""
+    model = make_model(cfg, cfg["seed"])  # rank 0's seed: what DDP broadcasts
+    opt = _optimizer(model, cfg)
+    ids, targets = make_data(cfg)
+    for step in range(cfg["steps"]):
+        loss = model(ids[step].flatten(0, 1), targets[step].flatten(0, 1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {name: p.detach().clone() for name, p in model.state_dict().items()}
+
+
+def _my_slice(comm, cfg: dict, tensor: torch.Tensor) -> torch.Tensor:
+    b = cfg["batch"]
+    return tensor[comm.rank * b : (comm.rank + 1) * b]
+
+
+def train_ddp(comm, cfg: dict, comm_hook=None) -> dict:
+    """Our DDP: rank-specific init (the broadcast must fix it), the rank's slice of each batch."""
+    torch.manual_seed(0)
+    model = make_model(cfg, cfg["seed"] + 1000 * comm.rank)
+    ddp = md.DistributedDataParallel(
+        model,
+        comm,
+        bucket_mb=cfg["bucket_mb"],
+        overlap=cfg["overlap"],
+        find_unused_parameters=cfg["find_unused"],
+        comm_hook=comm_hook,
+    )
+    opt = _optimizer(ddp, cfg)
+    ids, targets = make_data(cfg)
+    k = cfg["micro"]
+    for step in range(cfg["steps"]):
+        for micro in range(k):
+            loss = ddp(_my_slice(comm, cfg, ids[step, micro]), _my_slice(comm, cfg, targets[step, micro]))
+            if micro < k - 1:
+                with ddp.no_sync():  # backward only accumulates; the last micro-step communicates
+                    (loss / k).backward()
+            else:
+                (loss / k).backward()
+        opt.step()
+        opt.zero_grad()
+    return {
+        "state": {name: p.detach().clone() for name, p in model.state_dict().items()},
+        "buckets": ddp.buckets,
+    }
+
+
+def train_torch_ddp_and_ours(comm, cfg: dict) -> dict:
+    """transport="torch": torch.nn.parallel.DistributedDataParallel (gloo) and ours, same data."""
+    ours = train_ddp(comm, cfg)["state"]
+    model = make_model(cfg, cfg["seed"] + 1000 * comm.rank)
+    ddp = nn.parallel.DistributedDataParallel(model, find_unused_parameters=cfg["find_unused"])
+    opt = _optimizer(ddp, cfg)
+    ids, targets = make_data(cfg)
+    for step in range(cfg["steps"]):
+        loss = ddp(_my_slice(comm, cfg, ids[step, 0]), _my_slice(comm, cfg, targets[step, 0]))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {"ours": ours, "torch": {name: p.detach().clone() for name, p in model.state_dict().items()}}
+
+
+class CountingHook:
+    """A comm hook that counts its calls and runs ``allreduce_average`` with the ring."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.inner = functools.partial(allreduce_average, algorithm="ring")
+
+    def __call__(self, comm, flat_grad, bucket_index):
+        self.calls += 1
+        return self.inner(comm, flat_grad, bucket_index)
+
+
+def count_collectives(comm, cfg: dict) -> dict:
+    """Per step: comm-hook calls, messages and bytes sent by this rank."""
+    model = make_model(cfg, cfg["seed"])
+    hook = CountingHook()
+    ddp = md.DistributedDataParallel(model, comm, bucket_mb=cfg["bucket_mb"], comm_hook=hook)
+    ids, targets = make_data(cfg)
+    steps = []
+    for step in range(cfg["steps"]):
+        calls, before = hook.calls, comm.stats
+        ddp(_my_slice(comm, cfg, ids[step, 0]), _my_slice(comm, cfg, targets[step, 0])).backward()
+        delta = comm.stats - before
+        steps.append(
+            {"calls": hook.calls - calls, "messages": delta.messages_sent, "bytes": delta.bytes_sent}
+        )
+    grad_bytes = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    return {"steps": steps, "buckets": len(ddp.buckets), "grad_bytes": grad_bytes}
+
+
+def unused_without_flag(comm, cfg: dict) -> None:
+    model = make_model(cfg, cfg["seed"])
+    ddp = md.DistributedDataParallel(model, comm, bucket_mb=cfg["bucket_mb"])
+    ids, targets = make_data(cfg)
+    ddp(_my_slice(comm, cfg, ids[0, 0]), _my_slice(comm, cfg, targets[0, 0])).backward()
+
+
+def overlap_trace(comm, cfg: dict, layers: int, width: int) -> dict:
+    """A deeper MLP with a recorder: returns the recorded events of two steps."""
+    from minidist import trace
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(layers)])
+    rec = trace.Recorder(rank=comm.rank)
+    ddp = md.DistributedDataParallel(
+        model, comm, bucket_mb=cfg["bucket_mb"], overlap=cfg["overlap"], recorder=rec
+    )
+    x = torch.randn(16, width)
+    for _ in range(2):
+        ddp(x).pow(2).mean().backward()
+    return {"events": rec.events, "buckets": len(ddp.buckets)}
+
+
+def bucket_layout(comm, cfg: dict) -> list[list[str]]:
+    model = make_model(cfg, cfg["seed"])
+    return md.DistributedDataParallel(model, comm, bucket_mb=cfg["bucket_mb"]).buckets
