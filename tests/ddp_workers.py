@@ -19,6 +19,7 @@ import minidist as md
 from minidist.parallel.buckets import allreduce_average
 
 VOCAB, DIM, SEQ = 13, 8, 5
+SEVERAL_BUCKETS_MB = 0.0003  # 314 bytes: TinyNet's gradients fall into 2 buckets
 
 
 def config(**overrides) -> dict:

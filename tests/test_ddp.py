@@ -1,0 +1,192 @@
+"""DistributedDataParallel: N ranks x b samples == one process x N*b samples.
+
+Every multi-rank result is compared with a single-process reference on the same fixed
+data (``ddp_workers.train_single``), or with torch's own DDP. Ranks start from different
+random weights, so a missing initial broadcast shows up as a difference.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import ddp_workers as w
+import minidist as md
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def assert_states_close(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+class SoloComm:
+    """A one-rank communicator for in-process tests (collectives return at once for p = 1)."""
+
+    rank, world_size, local_rank, device, name = 0, 1, 0, torch.device("cpu"), "solo"
+
+    def send(self, *args):
+        raise AssertionError("a one-rank run sends nothing")
+
+    recv = send
+
+
+# --- equal to one process --------------------------------------------------------------------
+CASES = {
+    # id: (world_size, transport, bucket_mb, options, expected buckets: "one", "several", "each")
+    "p2-shm-one-bucket": (2, "shm", math.inf, {}, "one"),
+    "p3-shm-each-param-tied-frozen-unused": (
+        3,
+        "shm",
+        0.0,
+        dict(tie=True, frozen=True, unused=True, sometimes_used=True, find_unused=True),
+        "each",
+    ),
+    "p2-pipe-several-tied-frozen": (2, "pipe", w.SEVERAL_BUCKETS_MB, dict(tie=True, frozen=True), "several"),
+    "p3-pipe-one-bucket-unused": (
+        3,
+        "pipe",
+        1.0,
+        dict(unused=True, sometimes_used=True, find_unused=True),
+        "one",
+    ),
+    "p2-pipe-each-no-overlap": (2, "pipe", 0.0, dict(overlap=False), "each"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ddp_equals_one_process_with_the_whole_batch(case):
+    world_size, transport, bucket_mb, options, layout = CASES[case]
+    cfg = w.config(world_size=world_size, bucket_mb=bucket_mb, **options)
+    outs = md.launch(w.train_ddp, world_size, args=(cfg,), transport=transport, timeout=90)
+    reference = w.train_single(cfg)
+    for out in outs:
+        assert_states_close(out["state"], reference)
+    buckets = outs[0]["buckets"]
+    trainable = {n for n, p in w.make_model(cfg, 0).named_parameters() if p.requires_grad}
+    assert sorted(n for b in buckets for n in b) == sorted(trainable)  # each once, frozen left out
+    expected = {"one": 1, "each": len(trainable)}.get(layout)
+    if expected is None:
+        assert 1 < len(buckets) < len(trainable)
+    else:
+        assert len(buckets) == expected
+
+
+@pytest.mark.parametrize(
+    "transport, options", [("shm", {}), ("pipe", dict(sometimes_used=True, find_unused=True))]
+)
+def test_no_sync_accumulation_equals_one_process_with_k_batches(transport, options):
+    cfg = w.config(micro=3, bucket_mb=w.SEVERAL_BUCKETS_MB, **options)
+    outs = md.launch(w.train_ddp, 2, args=(cfg,), transport=transport, timeout=90)
+    reference = w.train_single(cfg)
+    for out in outs:
+        assert_states_close(out["state"], reference)
+
+
+def test_same_parameters_as_torch_ddp_on_gloo():
+    cfg = w.config(
+        tie=True,
+        frozen=True,
+        unused=True,
+        sometimes_used=True,
+        find_unused=True,
+        bucket_mb=w.SEVERAL_BUCKETS_MB,
+    )
+    outs = md.launch(w.train_torch_ddp_and_ours, 2, args=(cfg,), transport="torch", timeout=120)
+    for out in outs:
+        assert_states_close(out["ours"], out["torch"])
+    assert_states_close(outs[0]["ours"], w.train_single(cfg))
+
+
+# --- what goes over the wire -------------------------------------------------------------
+@pytest.mark.parametrize("world_size, bucket_mb", [(2, math.inf), (2, w.SEVERAL_BUCKETS_MB), (3, 0.0)])
+def test_one_collective_per_bucket_and_ring_bytes(world_size, bucket_mb):
+    cfg = w.config(world_size=world_size, bucket_mb=bucket_mb, steps=2)
+    outs = md.launch(w.count_collectives, world_size, args=(cfg,), transport="pipe", timeout=90)
+    buckets, grad_bytes = outs[0]["buckets"], outs[0]["grad_bytes"]
+    for step in range(cfg["steps"]):
+        for out in outs:
+            assert out["steps"][step]["calls"] == buckets
+            # a ring allreduce: each rank sends 2(p-1) messages (p-1 reduce-scatter, p-1 allgather)
+            assert out["steps"][step]["messages"] == buckets * 2 * (world_size - 1)
+        # all ranks together send 2(p-1) x every gradient byte: 2(p-1)/p of it per rank
+        assert sum(out["steps"][step]["bytes"] for out in outs) == 2 * (world_size - 1) * grad_bytes
+
+
+def test_a_parameter_without_gradient_is_a_clear_error_not_a_hang():
+    cfg = w.config(unused=True, bucket_mb=w.SEVERAL_BUCKETS_MB)
+    with pytest.raises(md.WorkerError, match=r"unused\.weight.*find_unused_parameters=True"):
+        md.launch(w.unused_without_flag, 2, args=(cfg,), transport="pipe", timeout=60)
+
+
+def test_error_names_every_unused_parameter_in_process():
+    cfg = w.config(unused=True)
+    ddp = md.DistributedDataParallel(w.make_model(cfg, 0), SoloComm())
+    ids, targets = w.make_data(cfg)
+    with pytest.raises(
+        RuntimeError, match=r"\['unused\.weight', 'unused\.bias'\]|\['unused\.bias', 'unused\.weight'\]"
+    ):
+        ddp(ids[0, 0], targets[0, 0]).backward()
+    ddp = md.DistributedDataParallel(w.make_model(cfg, 0), SoloComm(), find_unused_parameters=True)
+    ddp(ids[0, 0], targets[0, 0]).backward()  # with the flag: fine, and the unused grads stay None
+    assert ddp.module.unused.weight.grad is None and ddp.module.hidden.weight.grad is not None
+
+
+# --- buckets and gradients, in one process -----------------------------------------------------
+def test_buckets_fill_in_reverse_registration_order_tied_once_frozen_out():
+    cfg = w.config(tie=True, frozen=True)
+    ddp = md.DistributedDataParallel(w.make_model(cfg, 0), SoloComm(), bucket_mb=0.0)
+    assert ddp.buckets == [["head.bias"], ["hidden.bias"], ["hidden.weight"], ["embed.weight"]]
+    ddp = md.DistributedDataParallel(w.make_model(cfg, 0), SoloComm(), bucket_mb=math.inf)
+    assert ddp.buckets == [["head.bias", "hidden.bias", "hidden.weight", "embed.weight"]]
+    with pytest.raises(ValueError, match="bucket_mb"):
+        md.DistributedDataParallel(w.make_model(cfg, 0), SoloComm(), bucket_mb=-1)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_gradients_equal_plain_autograd_over_steps(set_to_none):
+    """One rank: DDP's grads (views into the buckets after step 1) equal plain autograd's,
+    whether zero_grad frees them or zeroes them in place (then autograd accumulates into the bucket)."""
+    cfg = w.config(tie=True, steps=3)
+    plain, wrapped = w.make_model(cfg, 7), w.make_model(cfg, 7)
+    ddp = md.DistributedDataParallel(wrapped, SoloComm(), bucket_mb=w.SEVERAL_BUCKETS_MB)
+    ids, targets = w.make_data(cfg)
+    for step in range(cfg["steps"]):
+        plain(ids[step, 0], targets[step, 0]).backward()
+        ddp(ids[step, 0], targets[step, 0]).backward()
+        for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, msg=lambda m: f"step {step} {name}: {m}")
+        storages = {p.grad.untyped_storage().data_ptr() for p in wrapped.parameters()}
+        assert len(storages) == len(ddp.buckets) > 1  # every grad is a view into its bucket
+        plain.zero_grad(set_to_none=set_to_none)
+        ddp.zero_grad(set_to_none=set_to_none)
+
+
+def test_overlap_first_bucket_starts_before_backward_ends():
+    events = md.launch(
+        w.overlap_trace, 2, args=(w.config(bucket_mb=0.05), 6, 64), transport="shm", timeout=90
+    )
+    for out in events:
+        assert out["buckets"] > 2
+        backward = [e for e in out["events"] if e["name"] == "backward"]
+        first = [e for e in out["events"] if e["name"] == "allreduce bucket 0"]
+        last = [e for e in out["events"] if e["name"] == f"allreduce bucket {out['buckets'] - 1}"]
+        assert len(backward) == len(first) == len(last) == 2  # two steps
+        for bwd, b0, bn in zip(backward, first, last):
+            assert bwd["ts_us"] < b0["ts_us"] < bwd["ts_us"] + bwd["dur_us"]  # launched during backward
+            assert bn["ts_us"] + bn["dur_us"] >= b0["ts_us"] + b0["dur_us"]  # completes in order
+
+
+def test_without_overlap_every_bucket_starts_after_backward():
+    cfg = w.config(bucket_mb=0.05, overlap=False)
+    events = md.launch(w.overlap_trace, 2, args=(cfg, 6, 64), transport="shm", timeout=90)
+    for out in events:
+        backward = [e for e in out["events"] if e["name"] == "backward"]
+        buckets = [e for e in out["events"] if e["name"].startswith("allreduce bucket")]
+        assert len(buckets) == 2 * out["buckets"]
+        for span in buckets:
+            assert any(span["ts_us"] >= b["ts_us"] + b["dur_us"] for b in backward)
