@@ -131,9 +131,17 @@ class CommStats:
         return CommStats(**{k: v - getattr(other, k) for k, v in vars(self).items()})
 
 
+_CALLBACK_LOCK = threading.Lock()  # orders add_done_callback against _finish (rarely contended)
+
+
 class Work:
     """Handle of an ``isend``/``irecv``. ``wait()`` blocks until the operation is
-    done and re-raises its error, if any; ``is_completed()`` does not block."""
+    done and re-raises its error, if any; ``is_completed()`` does not block.
+    ``add_done_callback(fn)`` calls ``fn(work)`` when it finishes (at once if it
+    already has), in the thread that finished it -- how a trace learns when a
+    message really ended rather than when someone got round to waiting for it."""
+
+    _callbacks: list | None = None
 
     def __init__(self, description: str, tensor: torch.Tensor | None = None) -> None:
         self._done = threading.Event()
@@ -143,7 +151,18 @@ class Work:
 
     def _finish(self, error: BaseException | None = None) -> None:
         self._error = error
-        self._done.set()
+        with _CALLBACK_LOCK:
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, None
+        for callback in callbacks or ():
+            callback(self)
+
+    def add_done_callback(self, callback) -> None:
+        with _CALLBACK_LOCK:
+            if not self.is_completed():
+                self._callbacks = [*(self._callbacks or ()), callback]
+                return
+        callback(self)
 
     def is_completed(self) -> bool:
         return self._done.is_set()
