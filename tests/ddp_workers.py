@@ -219,3 +219,53 @@ def overlap_trace(comm, cfg: dict, layers: int, width: int) -> dict:
 def bucket_layout(comm, cfg: dict) -> list[list[str]]:
     model = make_model(cfg, cfg["seed"])
     return md.DistributedDataParallel(model, comm, bucket_mb=cfg["bucket_mb"]).buckets
+
+
+def bert_batches(world_size: int, batch: int, seq: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and MLM labels [steps, p*b, seq]; every row labels the same number of
+    positions, so the mean over labelled positions decomposes over the ranks exactly."""
+    from minidist.models import bert
+
+    gen = torch.Generator().manual_seed(5)
+    vocab = bert.CONFIGS["tiny"].vocab_size
+    ids = torch.randint(0, vocab, (steps, world_size * batch, seq), generator=gen)
+    labels = torch.full_like(ids, bert.IGNORE_INDEX)
+    labels[..., ::4] = ids[..., ::4]
+    return ids, labels
+
+
+def bert_single(world_size: int, batch: int, seq: int, steps: int) -> dict[str, torch.Tensor]:
+    from minidist.models import bert
+
+    torch.manual_seed(11)
+    model = bert.BertForMLM(bert.CONFIGS["tiny"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids, labels = bert_batches(world_size, batch, seq, steps)
+    for step in range(steps):
+        model(ids[step], labels=labels[step]).loss.backward()
+        if step == 0:
+            grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    return {"state": {name: p.detach().clone() for name, p in model.state_dict().items()}, "grads": grads}
+
+
+def bert_ddp(comm, batch: int, seq: int, steps: int, bucket_mb: float) -> dict:
+    from minidist.models import bert
+
+    torch.manual_seed(11 + 1000 * comm.rank)
+    ddp = md.DistributedDataParallel(bert.BertForMLM(bert.CONFIGS["tiny"]), comm, bucket_mb=bucket_mb)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    ids, labels = bert_batches(comm.world_size, batch, seq, steps)
+    mine = slice(comm.rank * batch, (comm.rank + 1) * batch)
+    for step in range(steps):
+        ddp(ids[step, mine], labels=labels[step, mine]).loss.backward()
+        if step == 0:
+            grads = {name: p.grad.clone() for name, p in ddp.module.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+    return {
+        "state": {name: p.detach().clone() for name, p in ddp.module.state_dict().items()},
+        "grads": grads,
+        "buckets": ddp.buckets,
+    }

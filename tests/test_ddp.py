@@ -18,10 +18,10 @@ import minidist as md
 pytestmark = pytest.mark.timeout(180)
 
 
-def assert_states_close(got: dict, want: dict) -> None:
+def assert_states_close(got: dict, want: dict, atol: float = 1e-6) -> None:
     assert got.keys() == want.keys()
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
 class SoloComm:
@@ -190,3 +190,18 @@ def test_without_overlap_every_bucket_starts_after_backward():
         assert len(buckets) == 2 * out["buckets"]
         for span in buckets:
             assert any(span["ts_us"] >= b["ts_us"] + b["dur_us"] for b in backward)
+
+
+def test_bert_tiny_through_ddp_equals_one_process():
+    batch, seq, steps = 2, 16, 2
+    outs = md.launch(w.bert_ddp, 2, args=(batch, seq, steps, 1.0), transport="shm", timeout=150)
+    reference = w.bert_single(2, batch, seq, steps)
+    for out in outs:
+        assert_states_close(out["grads"], reference["grads"], atol=1e-7)  # the averaged gradient
+        # AdamW divides each element's step by its own gradient scale, so a last-bit difference
+        # in a near-zero gradient can move that element by a visible part of lr (1e-3):
+        # after two steps we allow 1% of one step.
+        assert_states_close(out["state"], reference["state"], atol=1e-5)
+    names = [n for b in outs[0]["buckets"] for n in b]
+    assert len(outs[0]["buckets"]) > 1 and len(names) == len(set(names))
+    assert names.count("transformer.embeddings.word.weight") == 1  # tied with the MLM head: once
