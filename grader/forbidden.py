@@ -67,7 +67,9 @@ SYS_ATTRIBUTES = (
     "addaudithook",
 )
 ALLOWED_DUNDERS = ("__name__", "__doc__", "__init__")
-PUBLIC_PRIVATE = ("os._exit",)  # documented functions despite the underscore
+#: names used as public despite the underscore: os._exit, and autograd's engine, whose
+#: queue_callback is the only way to run code when backward ends (a3's given helper)
+PUBLIC_PRIVATE = ("os._exit", "torch.autograd.Variable._execution_engine")
 #: the communicator wrapper's internals (student_comm.StudentComm): refused on any receiver, ``self``
 #: included -- ``Helper.method(comm)`` makes ``self`` the wrapper, whatever the parameter is called
 WRAPPER_PRIVATE = ("_comm", "_traffic")

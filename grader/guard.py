@@ -102,7 +102,8 @@ def _functions_of(module: types.ModuleType):
         elif isinstance(value, type) and value.__module__ == module.__name__:
             for method_name, method in list(vars(value).items()):
                 method = getattr(method, "__func__", method)  # staticmethod, classmethod
-                if isinstance(method, types.FunctionType):
+                # only its own: an Enum's __new__ is enum.Enum.__new__, shared by every Enum
+                if isinstance(method, types.FunctionType) and method.__module__ == module.__name__:
                     yield f"{module.__name__}.{attribute}.{method_name}", method
 
 

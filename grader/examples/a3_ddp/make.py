@@ -1,0 +1,150 @@
+"""Write example submissions of assignment 3, as an instructor would download them.
+
+``python -m grader.examples.a3_ddp.make OUT`` writes, into OUT:
+
+* ``alice``: correct (the solution);
+* ``bob``: no overlap: the hooks only copy gradients, and every bucket is launched when
+  backward ends -- right gradients, the right number of allreduces, nothing overlapped;
+* ``carol``: sums instead of averaging (never divides by the number of ranks);
+* ``dave``: ignores ``find_unused_parameters``: at the end of backward it waits for every
+  bucket to be launched by a hook, which never happens for a bucket with an unused parameter
+  (a hang: a timeout in those tests, full points in the others);
+* ``erin``: crashes: looks its parameter up by the tensor instead of its ``id()`` (KeyError in
+  the first hook); only task 1 earns points;
+* ``frank``: hands the work to the library's ``md.DistributedDataParallel``: refused at
+  intake, status ``forbidden``.
+
+``LOST`` lists the hidden tests each one fails; ``EXPECTED`` holds the status and score each
+must get on all the hidden tests (``expected_score`` for a subset). The submissions are generated
+from ``solutions/`` (so they follow the assignment when it changes); nothing here is committed
+but this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from pathlib import Path
+
+import pytest
+
+from grader.examples.a1_collectives.make import write
+
+with warnings.catch_warnings():  # `points` is registered by grader/a3_ddp/conftest.py only
+    warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
+    from grader.a3_ddp import grading
+
+ROOT = Path(__file__).resolve().parents[3]
+SOLUTION = ROOT / "solutions" / "a3_ddp" / "ddp.py"
+STUB = ROOT / "assignments" / "a3_ddp" / "ddp.py"
+FILE = "ddp.py"
+
+_UNUSED = (
+    "test_matches_one_process[unused-3-pipe]",
+    "test_matches_one_process[mixed-2-shm]",
+    "test_one_allreduce_per_bucket[mixed-2-pipe]",
+)
+_VALUES = tuple(
+    t.name for t in grading.graded_tests(0) if t.name.startswith(("test_matches", "test_no_sync"))
+)
+_ALL = tuple(t.name for t in grading.graded_tests(0))
+#: student -> (status, the hidden tests it loses)
+LOST = {
+    "alice": ("ok", ()),
+    "bob": ("ok", ("test_overlap[tied-2-shm]",)),
+    "carol": ("ok", _VALUES),
+    "dave": ("ok", _UNUSED),
+    "erin": ("ok", tuple(name for name in _ALL if name != "test_assign_buckets")),
+    "frank": ("forbidden", _ALL),
+}
+
+
+def expected_score(student: str, tests: list[str] | None = None) -> float:
+    """The points ``student`` must get on ``tests`` (default: every hidden test)."""
+    points = {t.name: t.points for t in grading.graded_tests(0)}
+    tests = list(points) if tests is None else tests
+    return sum(points[name] for name in tests if name not in LOST[student][1])
+
+
+#: student -> (status, score on every hidden test, out of 37)
+EXPECTED = {student: (status, expected_score(student)) for student, (status, _) in LOST.items()}
+
+FINISH_START = (
+    "        self._finish_queued = False\n        missing = [b for b in self._buckets if b.work is None]\n"
+)
+NO_OVERLAP_HOOK = """        if not self._synchronizing:
+            return
+        if not self._finish_queued:
+            self._finish_queued = True
+            call_when_backward_ends(self._finish_backward)
+        bucket, position = self._where[id(param)]
+        bucket.slot(position).copy_(param.grad)
+        bucket.waiting.discard(position)
+"""
+NO_OVERLAP_FINISH = """        self._finish_queued = False
+        for bucket in self._buckets:  # everything after backward: nothing overlaps
+            for position in bucket.waiting:
+                bucket.slot(position).zero_()
+            self._launch(bucket)
+        missing = []
+"""
+
+
+def edit(source: str, old: str, new: str) -> str:
+    """``source`` with ``old`` (which must occur exactly once) replaced by ``new``."""
+    if source.count(old) != 1:
+        raise ValueError(f"the solution changed: {old!r} occurs {source.count(old)} times")
+    return source.replace(old, new)
+
+
+def build_dict() -> dict[str, dict[str, bytes]]:
+    solution = SOLUTION.read_text()
+    hook_start = "        if not self._synchronizing:\n            return\n"
+    hook_end = "        if not bucket.waiting:\n            self._launch(bucket)\n"
+    hook = solution[solution.index(hook_start) : solution.index(hook_end) + len(hook_end)]
+    bob = edit(solution, hook, NO_OVERLAP_HOOK)
+    bob = edit(
+        bob,
+        FINISH_START,
+        NO_OVERLAP_FINISH,
+    )
+    carol = edit(solution, "            bucket.flat.div_(self.comm.world_size)\n", "")
+    dave = edit(
+        solution,
+        FINISH_START,
+        "        self._finish_queued = False\n"
+        "        while any(b.work is None for b in self._buckets):  # wait for the hooks to launch all\n"
+        "            time.sleep(0.01)\n"
+        "        missing = []\n",
+    )
+    dave = edit(dave, "import contextlib\n", "import contextlib\nimport time\n")
+    erin = edit(
+        solution,
+        "        bucket, position = self._where[id(param)]\n",
+        "        bucket, position = self._where[param]\n",
+    )
+    frank = edit(
+        solution,
+        "    def __call__(self, *args, **kwargs):\n",
+        "    def delegate(self):\n"
+        "        return md.DistributedDataParallel(self.module, self.comm, find_unused_parameters=True)\n\n"
+        "    def __call__(self, *args, **kwargs):\n",
+    )
+    texts = (solution, bob, carol, dave, erin, frank)
+    return {name: {FILE: text.encode()} for name, text in zip(LOST, texts)}
+
+
+def build(out: Path) -> list[Path]:
+    return write(out, build_dict())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    args = parser.parse_args()
+    written = build(args.out)
+    print(f"wrote {len(written)} submissions into {args.out}")
+
+
+if __name__ == "__main__":
+    main()
