@@ -14,6 +14,7 @@ import torch
 
 import ddp_workers as w
 import minidist as md
+from minidist import trace
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -168,7 +169,7 @@ def test_gradients_equal_plain_autograd_over_steps(set_to_none):
 
 def test_overlap_first_bucket_starts_before_backward_ends():
     events = md.launch(
-        w.overlap_trace, 2, args=(w.config(bucket_mb=0.05), 6, 64), transport="shm", timeout=90
+        w.overlap_trace, 2, args=(w.config(bucket_mb=0.015), 6, 64), transport="shm", timeout=90
     )
     for out in events:
         assert out["buckets"] > 2
@@ -179,10 +180,11 @@ def test_overlap_first_bucket_starts_before_backward_ends():
         for bwd, b0, bn in zip(backward, first, last):
             assert bwd["ts_us"] < b0["ts_us"] < bwd["ts_us"] + bwd["dur_us"]  # launched during backward
             assert bn["ts_us"] + bn["dur_us"] >= b0["ts_us"] + b0["dur_us"]  # completes in order
+        assert trace.overlap(out["events"]) > 0
 
 
 def test_without_overlap_every_bucket_starts_after_backward():
-    cfg = w.config(bucket_mb=0.05, overlap=False)
+    cfg = w.config(bucket_mb=0.015, overlap=False)
     events = md.launch(w.overlap_trace, 2, args=(cfg, 6, 64), transport="shm", timeout=90)
     for out in events:
         backward = [e for e in out["events"] if e["name"] == "backward"]
@@ -190,6 +192,7 @@ def test_without_overlap_every_bucket_starts_after_backward():
         assert len(buckets) == 2 * out["buckets"]
         for span in buckets:
             assert any(span["ts_us"] >= b["ts_us"] + b["dur_us"] for b in backward)
+        assert trace.overlap(out["events"]) == 0.0
 
 
 def test_bert_tiny_through_ddp_equals_one_process():

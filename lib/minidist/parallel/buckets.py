@@ -154,6 +154,11 @@ class AveragedWork:
     def is_completed(self) -> bool:
         return self.work.is_completed()
 
+    def __getattr__(self, name: str):  # e.g. add_done_callback, where the inner handle has it
+        if name == "work":
+            raise AttributeError(name)
+        return getattr(self.work, name)
+
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         self.work.wait(timeout)
         if not self._averaged:

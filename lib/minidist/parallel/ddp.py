@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator
 
 import torch
@@ -112,6 +113,7 @@ class DistributedDataParallel(nn.Module):
         self._next_launch = 0
         self._reached: set[nn.Parameter] = set()  # params reachable from this step's outputs
         self._backward_span = None
+        self._span_lock = threading.Lock()
 
     # --- what users see ------------------------------------------------------------
     @property
@@ -207,15 +209,24 @@ class DistributedDataParallel(nn.Module):
             bucket.work = self.comm_hook(self.comm, bucket.buffer, bucket.index)
             bucket.launched = True
             self._next_launch += 1
+            if bucket.span is not None and hasattr(bucket.work, "add_done_callback"):
+                # ends the span in the thread that finished the work: the true completion time
+                bucket.work.add_done_callback(lambda _work, b=bucket: self._end_span(b))
+
+    def _end_span(self, bucket: Bucket) -> None:
+        with self._span_lock:
+            token, bucket.span = bucket.span, None
+        if token is not None:
+            self.recorder.end(token)
 
     def _poll_finished(self) -> None:
-        """Close the recorder span of every bucket whose communication has finished."""
+        """Close the span of every bucket whose work has finished (for handles without
+        ``add_done_callback``: then the end is seen at the next hook, a little late)."""
         if self.recorder is None:
             return
         for bucket in self._buckets[: self._next_launch]:
             if bucket.span is not None and getattr(bucket.work, "is_completed", lambda: False)():
-                self.recorder.end(bucket.span)
-                bucket.span = None
+                self._end_span(bucket)
 
     # --- backward: the end ---------------------------------------------------------
     def _finish_backward(self) -> None:
@@ -243,9 +254,8 @@ class DistributedDataParallel(nn.Module):
                 averaged = bucket.work.wait()
                 if averaged is not bucket.buffer:
                     bucket.buffer.copy_(averaged)
-                if bucket.span is not None:
-                    self.recorder.end(bucket.span)
-                    bucket.span = None
+                if self.recorder is not None:
+                    self._end_span(bucket)
             if used_flags is not None:
                 counts = iter(used_flags.wait().tolist())
                 for bucket in self._buckets:
