@@ -1,4 +1,4 @@
-"""``python -m minidist.bench {p2p,launch,collectives,glove}`` -- see each module's docstring."""
+"""``python -m minidist.bench {p2p,launch,collectives,glove,ddp}`` -- see each module's docstring."""
 
 from __future__ import annotations
 
@@ -52,7 +52,31 @@ def main(argv=None) -> None:
     glove.add_argument("--trainers", nargs="+", default=None, help="default: all")
     glove.add_argument("--out", default=None)
     glove.add_argument("--no-plot", action="store_true")
+    ddp = sub.add_parser("ddp", help="data-parallel BERT: our DDP (shm, pipe, emulated 10G) vs torch DDP")
+    ddp.add_argument("--model", default="mini", help="BERT config: tiny, mini (default), small")
+    ddp.add_argument("--batch", type=int, default=4, help="samples per rank per step (default 4)")
+    ddp.add_argument("--seq", type=int, default=64, help="tokens per sample (default 64)")
+    ddp.add_argument("--steps", type=int, default=5, help="measured steps (default 5)")
+    ddp.add_argument("--warmup", type=int, default=2)
+    ddp.add_argument("--bucket-mb", type=float, default=1.0)
+    ddp.add_argument("--transports", nargs="+", default=["shm", "pipe"])
+    ddp.add_argument("--no-emulated", action="store_true", help="skip the emulated 10 Gbit/s link")
+    ddp.add_argument("--out", default=None)
+    ddp.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
+    if args.bench == "ddp":
+        from . import ddp as bench
+
+        cfg = bench.DdpBench(
+            model=args.model,
+            batch=args.batch,
+            seq=args.seq,
+            steps=args.steps,
+            warmup=args.warmup,
+            bucket_mb=args.bucket_mb,
+        )
+        bench.run(cfg, tuple(args.transports), not args.no_emulated, args.out, not args.no_plot)
+        return
     if args.bench == "glove":
         from . import glove as bench
 
