@@ -183,3 +183,27 @@ def threads_after_close(comm):
         "pending_done": pending.is_completed(),
         "pending_value": pending.wait(timeout=0).tolist(),
     }
+
+
+def cuda_async_allreduce(comm):
+    """CUDA tensors through the comm thread, with GPU work queued in between."""
+    device = comm.device
+    x = rank_input(comm.rank, (1 << 16,), 0).float().to(device)
+    expected = sum(rank_input(r, (1 << 16,), 0).float() for r in range(comm.world_size))
+    handles = [md.allreduce(comm, x.clone(), algorithm=a, async_op=True) for a in ("ring", "auto")]
+    a = torch.randn(512, 512, device=device)
+    for _ in range(10):
+        a = torch.tanh(a @ a / 512)
+    results = [h.wait(timeout=60) for h in handles]
+    current = {}
+
+    def where():
+        current["device"] = str(torch.device("cuda", torch.cuda.current_device()))
+
+    md.collectives.async_ops.stream_of(comm).submit("probe", where).wait(timeout=60)
+    return {
+        "on_device": [str(r.device) for r in results],
+        "ok": [torch.allclose(r.cpu(), expected, rtol=1e-5, atol=1e-4) for r in results],
+        "thread_device": current["device"],
+        "comm_device": str(device),
+    }

@@ -103,3 +103,16 @@ def test_close_stops_the_comm_thread_after_queued_work(transport):
         assert out["after_close"] == []
         assert out["pending_done"]
         assert out["pending_value"] == [2.0] * 8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transport", ["shm", "pipe"])
+def test_async_allreduce_of_cuda_tensors(transport):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    # shm and pipe stage through the CPU, so the two ranks may share one GPU
+    outs = md.launch(async_workers.cuda_async_allreduce, 2, transport=transport, device="cuda", timeout=120)
+    for out in outs:
+        assert out["ok"] == [True, True]
+        assert out["on_device"] == [out["comm_device"]] * 2
+        assert out["thread_device"] == out["comm_device"]  # the comm thread uses the rank's GPU

@@ -27,6 +27,8 @@ same order -- the same rule as torch.distributed.
   also breaks the stream: the ranks are no longer in step, so collectives queued
   behind it are not run, and every later collective on this communicator raises
   ``CollectiveStreamError`` naming the first failure -- an error is never lost.
+* Issue collectives from one thread per rank (the training loop's); the call order
+  of one thread is what the ranks agree on.
 * Point-to-point calls on the same communicator while async collectives are in
   flight are the caller's responsibility (they may interleave with the
   collective's messages; use tags or wait first).
@@ -97,6 +99,7 @@ class CollectiveStream:
 
     def __init__(self, comm) -> None:
         self.rank = getattr(comm, "rank", "?")
+        self.device = torch.device(getattr(comm, "device", "cpu"))
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.pending = 0  # submitted, not finished
@@ -142,6 +145,8 @@ class CollectiveStream:
 
     # --- the communication thread --------------------------------------------------
     def _run(self) -> None:
+        if self.device.type == "cuda":  # the current GPU is per thread: use the communicator's
+            torch.cuda.set_device(self.device)
         while True:
             job = self._jobs.get()
             if job is None:
