@@ -120,7 +120,7 @@ def _my_slice(comm, cfg: dict, tensor: torch.Tensor) -> torch.Tensor:
 def train_ddp(comm, cfg: dict, comm_hook=None) -> dict:
     """Our DDP: rank-specific init (the broadcast must fix it), the rank's slice of each batch."""
     torch.manual_seed(0)
-    model = make_model(cfg, cfg["seed"] + 1000 * comm.rank)
+    model = make_model(cfg, cfg["seed"] + 1000 * comm.rank).to(comm.device)  # cuda:r under device="cuda"
     ddp = md.DistributedDataParallel(
         model,
         comm,
@@ -130,7 +130,7 @@ def train_ddp(comm, cfg: dict, comm_hook=None) -> dict:
         comm_hook=comm_hook,
     )
     opt = _optimizer(ddp, cfg)
-    ids, targets = make_data(cfg)
+    ids, targets = (t.to(comm.device) for t in make_data(cfg))
     k = cfg["micro"]
     for step in range(cfg["steps"]):
         for micro in range(k):
@@ -143,7 +143,7 @@ def train_ddp(comm, cfg: dict, comm_hook=None) -> dict:
         opt.step()
         opt.zero_grad()
     return {
-        "state": {name: p.detach().clone() for name, p in model.state_dict().items()},
+        "state": {name: p.detach().cpu().clone() for name, p in model.state_dict().items()},
         "buckets": ddp.buckets,
     }
 

@@ -208,3 +208,31 @@ def test_bert_tiny_through_ddp_equals_one_process():
     names = [n for b in outs[0]["buckets"] for n in b]
     assert len(outs[0]["buckets"]) > 1 and len(names) == len(set(names))
     assert names.count("transformer.embeddings.word.weight") == 1  # tied with the MLM head: once
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_ddp_bench_smoke(tmp_path, capsys):
+    """The benchmark end to end on BERT tiny, one measured step, every row present."""
+    from minidist.bench import ddp as bench
+
+    cfg = bench.DdpBench(model="tiny", batch=1, seq=8, steps=1, warmup=0)
+    result = bench.run(cfg, transports=("pipe",), emulated=True, out=str(tmp_path), plot=False)
+    labels = [(transport, label) for transport, label, _ in result["rows"]]
+    assert labels == [
+        ("-", "one process"),
+        ("gloo", "torch DDP"),
+        ("pipe", "after backward"),
+        ("pipe", "buckets"),
+        ("pipe", "overlap"),
+        ("10G", "after backward (10G)"),
+        ("10G", "buckets (10G)"),
+        ("10G", "overlap (10G)"),
+    ]
+    rows = {label: r for _, label, r in result["rows"]}
+    ring = rows["one process"]["grad_bytes"]  # 2(p-1)/p x gradient bytes = all of them at p = 2
+    assert rows["after backward"]["bytes_per_step"] == ring and rows["overlap"]["bytes_per_step"] == ring
+    assert rows["after backward"]["buckets"] == 1 < rows["overlap"]["buckets"]
+    assert rows["after backward"]["overlap"] == 0.0
+    assert (tmp_path / "ddp_tiny_p2.json").exists()
+    assert "x torch" in capsys.readouterr().out

@@ -29,3 +29,50 @@ def test_cuda_tensors_travel_between_ranks(transport):
 def test_each_rank_gets_its_own_gpu():
     outs = md.launch(workers.identity, _world_size(), transport="torch", device="cuda")
     assert [o[3] for o in outs] == [f"cuda:{r}" for r in range(len(outs))]
+
+
+# --- DistributedDataParallel on CUDA (tests/ddp_workers.py; run: pytest -m gpu tests/test_gpu.py -k ddp) ---
+def _ddp_reference(cfg):
+    import ddp_workers
+
+    return ddp_workers.train_single(cfg)  # on the CPU, in this process
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_ddp_cuda_on_shm_equals_one_process(overlap):
+    """Two ranks on one or two GPUs (shm stages through the CPU); gradients are allreduced
+    on the comm thread's own CUDA stream, ordered against backward by events."""
+    import ddp_workers
+
+    cfg = ddp_workers.config(
+        bucket_mb=ddp_workers.SEVERAL_BUCKETS_MB, tie=True, frozen=True, overlap=overlap, steps=4
+    )
+    outs = md.launch(ddp_workers.train_ddp, 2, args=(cfg,), transport="shm", device="cuda", timeout=120)
+    reference = _ddp_reference(cfg)
+    for out in outs:
+        for name, value in reference.items():
+            torch.testing.assert_close(out["state"][name], value, rtol=1e-4, atol=1e-5)
+
+
+def test_ddp_cuda_no_sync_and_unused_on_pipe():
+    import ddp_workers
+
+    cfg = ddp_workers.config(micro=2, sometimes_used=True, unused=True, find_unused=True, bucket_mb=0.0)
+    outs = md.launch(ddp_workers.train_ddp, 2, args=(cfg,), transport="pipe", device="cuda", timeout=120)
+    reference = _ddp_reference(cfg)
+    for out in outs:
+        for name, value in reference.items():
+            torch.testing.assert_close(out["state"][name], value, rtol=1e-4, atol=1e-5)
+
+
+def test_ddp_cuda_over_nccl_equals_one_process():
+    import ddp_workers
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("the torch transport (NCCL) needs one GPU per rank: two GPUs")
+    cfg = ddp_workers.config(bucket_mb=ddp_workers.SEVERAL_BUCKETS_MB, tie=True, steps=4)
+    outs = md.launch(ddp_workers.train_ddp, 2, args=(cfg,), transport="torch", device="cuda", timeout=180)
+    reference = _ddp_reference(cfg)
+    for out in outs:
+        for name, value in reference.items():
+            torch.testing.assert_close(out["state"][name], value, rtol=1e-4, atol=1e-5)
