@@ -28,6 +28,7 @@ is printed, and only ratios measured in this run are claimed.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
@@ -115,8 +116,9 @@ def _run_mode(comm, cfg: DdpBench, mode: Mode) -> dict:
             first_event = len(recorder.events) if recorder is not None else 0
         start = time.perf_counter()
         net(ids[step, mine], labels=labels[step, mine]).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
+        with recorder.span("optimizer step", cat="optimizer") if recorder else contextlib.nullcontext():
+            optimizer.step()
+            optimizer.zero_grad()
         times.append(time.perf_counter() - start)
     grads = {id(p): p for p in model.parameters() if p.requires_grad}.values()
     result = {

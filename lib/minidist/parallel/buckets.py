@@ -204,7 +204,9 @@ def allreduce_average(comm, flat_grad: torch.Tensor, bucket_index: int, algorith
         work = allreduce(comm, flat_grad, op="sum", algorithm=algorithm, async_op=True)
         return AveragedWork(work, flat_grad, comm.world_size)
     device = flat_grad.device
-    comm_stream = _COMM_STREAMS.setdefault(device, torch.cuda.Stream(device))
+    comm_stream = _COMM_STREAMS.get(device)
+    if comm_stream is None:  # one communication stream per GPU, made once
+        comm_stream = _COMM_STREAMS[device] = torch.cuda.Stream(device)
     grads_written = torch.cuda.Event()
     grads_written.record(torch.cuda.current_stream(device))
     done = torch.cuda.Event()
