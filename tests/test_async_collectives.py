@@ -97,7 +97,7 @@ def test_a_rank_that_dies_is_reported_without_a_hang(transport):
 def test_close_stops_the_comm_thread_after_queued_work(transport):
     (out0, out1) = md.launch(async_workers.threads_after_close, 2, transport=transport, timeout=60)
     for out in (out0, out1):
-        assert out["results"] == [[2.0] * 8] * 3
+        assert out["results"] == [[2.0] * 8, [2.0] * 9, [2.0] * 8]
         assert len(out["before"]) == 1  # the view uses the communicator's thread
         assert out["after_view_close"] == out["before"]  # the view does not own it
         assert out["after_close"] == []
