@@ -145,7 +145,7 @@ class CollectiveStream:
 
     # --- the communication thread --------------------------------------------------
     def _run(self) -> None:
-        if self.device.type == "cuda":  # the current GPU is per thread: use the communicator's
+        if self.device.type == "cuda" and self.device.index is not None:  # the current GPU is per thread
             torch.cuda.set_device(self.device)
         while True:
             job = self._jobs.get()
