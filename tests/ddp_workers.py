@@ -9,6 +9,7 @@ and the ranks build exactly the same model and data:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -134,12 +135,10 @@ def train_ddp(comm, cfg: dict, comm_hook=None) -> dict:
     k = cfg["micro"]
     for step in range(cfg["steps"]):
         for micro in range(k):
-            loss = ddp(_my_slice(comm, cfg, ids[step, micro]), _my_slice(comm, cfg, targets[step, micro]))
-            if micro < k - 1:
-                with ddp.no_sync():  # backward only accumulates; the last micro-step communicates
-                    (loss / k).backward()
-            else:
-                (loss / k).backward()
+            batch = _my_slice(comm, cfg, ids[step, micro]), _my_slice(comm, cfg, targets[step, micro])
+            # all but the last micro-step only accumulate; the last one communicates the sum
+            with ddp.no_sync() if micro < k - 1 else contextlib.nullcontext():
+                (ddp(*batch) / k).backward()
         opt.step()
         opt.zero_grad()
     return {

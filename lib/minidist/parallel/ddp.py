@@ -125,7 +125,14 @@ class DistributedDataParallel(nn.Module):
     def no_sync(self) -> Iterator[None]:
         """Backward inside this block only accumulates into ``param.grad`` (no
         communication); the next backward outside it allreduces the accumulated sum.
-        Gradient accumulation over k micro-steps then costs one allreduce, not k."""
+        Gradient accumulation over k micro-steps then costs one allreduce, not k::
+
+            for micro, batch in enumerate(micro_batches):
+                with ddp.no_sync() if micro < k - 1 else contextlib.nullcontext():
+                    (ddp(*batch) / k).backward()
+
+        Put forward and backward inside (as with torch's DDP); what decides is where
+        backward runs."""
         previous, self._sync = self._sync, False
         try:
             yield
