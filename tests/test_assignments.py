@@ -256,3 +256,95 @@ def test_a2_stub_keeps_every_signature_and_docstring():
     stub = (A2_STUB / "async_ps.py").read_text()
     for task, name in enumerate(A2_FUNCTIONS, start=1):
         assert f'raise NotImplementedError("TODO(task {task}): write {name}")' in stub
+
+
+# --- assignment 3: bucketed DDP that overlaps backward ----------------------------------------
+A3 = "a3_ddp"
+A3_SOLUTION, A3_STUB, A3_HIDDEN = ROOT / "solutions" / A3, ROOT / "assignments" / A3, ROOT / "grader" / A3
+A3_PUBLIC = "test_a3_ddp.py"
+#: (task, what the stub's NotImplementedError names)
+A3_TASKS = [
+    (1, "assign_buckets"),
+    (2, "_on_gradient_ready"),
+    (2, "_launch"),
+    (3, "_finish_backward"),
+    (4, "no_sync"),
+]
+
+
+def a3_split(outcomes: dict[str, Outcome]) -> tuple[list[Outcome], list[Outcome]]:
+    hidden = [o for t, o in outcomes.items() if t.startswith(f"grader.{A3}.")]
+    return hidden, [o for t, o in outcomes.items() if not t.startswith(f"grader.{A3}.")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a3_solution_passes_public_and_hidden_tests(tmp_path):
+    outcomes, output = run_pytest(tmp_path, A3_SOLUTION, [A3_SOLUTION / A3_PUBLIC, A3_HIDDEN], timeout=350)
+    not_passed = {t: o for t, o in outcomes.items() if o.status != "passed"}
+    assert not not_passed, describe(not_passed)
+    hidden, public = a3_split(outcomes)
+    assert len(public) >= 8 and len(hidden) >= 12
+    assert all(o.points and o.points > 0 for o in hidden) and all(o.points is None for o in public)
+    total = sum(o.points for o in hidden)
+    assert f"score: {total:g} / {total:g} points" in output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a3_released_stub_fails_every_test_with_not_implemented(tmp_path):
+    outcomes, _ = run_pytest(tmp_path, A3_STUB, [A3_STUB / A3_PUBLIC, A3_HIDDEN], timeout=350)
+    wrong = {
+        t: o for t, o in outcomes.items() if o.status != "failed" or "NotImplementedError" not in o.message
+    }
+    assert not wrong, "tests that did not fail with NotImplementedError:\n" + describe(wrong)
+    hidden, public = a3_split(outcomes)
+    assert len(hidden) >= 12 and len(public) >= 8
+    for test_id, outcome in outcomes.items():
+        assert "did not finish" not in outcome.message and "TODO(task" in outcome.message, test_id
+        assert "fill in" in outcome.message or outcome.message.startswith("NotImplementedError"), test_id
+
+
+def test_a3_stub_keeps_every_signature_and_docstring():
+    solution = public_signatures(A3_SOLUTION / "ddp.py")
+    assert "assign_buckets" in solution
+    assert public_signatures(A3_STUB / "ddp.py") == solution
+    stub = (A3_STUB / "ddp.py").read_text()
+    for task, name in A3_TASKS:
+        assert f'raise NotImplementedError("TODO(task {task}): write {name}")' in stub
+
+
+A3_STUB_PROBE = """
+import torch
+from torch import nn
+
+import ddp
+
+param = nn.Parameter(torch.zeros(3))
+blank = object.__new__(ddp.BucketedDDP)  # no __init__: it would stop at task 1
+calls = {
+    "assign_buckets": lambda: ddp.assign_buckets([("w", param)], 1.0),
+    "_on_gradient_ready": lambda: blank._on_gradient_ready(param),
+    "_launch": lambda: blank._launch(ddp.Bucket.of(0, ["w"], [param])),
+    "_finish_backward": lambda: blank._finish_backward(),
+    "no_sync": lambda: blank.no_sync().__enter__(),
+}
+for task, name in %r:
+    try:
+        calls[name]()
+    except NotImplementedError as error:
+        assert f"TODO(task {task}): write {name}" in str(error), (name, str(error))
+    else:
+        raise AssertionError(f"{name} did not raise NotImplementedError")
+print("ok")
+"""
+
+
+def test_a3_stub_imports_and_each_part_raises_not_implemented_with_its_task(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(A3_STUB_PROBE % (A3_TASKS,))
+    env = {**os.environ, "PYTHONPATH": str(A3_STUB)}
+    result = subprocess.run(
+        [sys.executable, str(probe)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

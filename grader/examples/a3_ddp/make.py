@@ -9,8 +9,9 @@
 * ``dave``: ignores ``find_unused_parameters``: at the end of backward it waits for every
   bucket to be launched by a hook, which never happens for a bucket with an unused parameter
   (a hang: a timeout in those tests, full points in the others);
-* ``erin``: crashes: looks its parameter up by the tensor instead of its ``id()`` (KeyError in
-  the first hook); only task 1 earns points;
+* ``erin``: crashes: looks its parameter up by the tensor instead of its ``id()`` (a
+  RuntimeError in the first hook: a tensor cannot be compared with the dict's keys); only
+  task 1 earns points;
 * ``frank``: hands the work to the library's ``md.DistributedDataParallel``: refused at
   intake, status ``forbidden``.
 

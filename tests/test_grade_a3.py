@@ -1,0 +1,134 @@
+"""``python -m grader grade a3_ddp``: assignment 3 goes through the same pipeline as a1 and a2.
+
+The graded tests are the hidden tests with their points; the example students of
+``grader/examples/a3_ddp/make.py`` (correct, no overlap, sums instead of averaging, a deadlock on
+unused parameters, a crash, the library's DDP) and the released stub get exactly their expected
+scores on a subset of the hidden tests that tells them all apart (one batch, ``--jobs 2``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from grader import forbidden, similarity
+from grader.examples.a3_ddp import make
+
+with warnings.catch_warnings():  # `points` is registered by grader/a3_ddp/conftest.py only
+    warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
+    from grader.a3_ddp import grading
+    from grader.a3_ddp import test_hidden as hidden
+
+ROOT = Path(__file__).resolve().parent.parent
+#: the tests that tell the examples apart: buckets, equivalence on the model with tied, frozen
+#: and unused parameters, overlap (glob patterns: "[[]" is a literal "[")
+SUBSET = (
+    "test_assign_buckets",
+    "test_matches_one_process[[]mixed-2-shm]",
+    "test_overlap*",
+)
+SUBSET_NAMES = [
+    "test_assign_buckets",
+    "test_matches_one_process[mixed-2-shm]",
+    "test_overlap[tied-2-shm]",
+]
+
+
+def grade(submissions: Path, out: Path, *extra: str) -> str:
+    command = [sys.executable, "-m", "grader", "grade", "a3_ddp", str(submissions), "--out", str(out)]
+    result = subprocess.run(
+        [*command, *extra], cwd=ROOT, capture_output=True, text=True, timeout=400, start_new_session=True
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+def gradebook(out: Path) -> dict[str, dict]:
+    with open(out / "gradebook.csv", newline="") as file:
+        return {row["id"]: row for row in csv.DictReader(file)}
+
+
+def test_graded_tests_are_the_hidden_tests_with_their_points():
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "grader/a3_ddp",
+        "--collect-only",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+    ]
+    collected = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
+    names = [line.split("::", 1)[1] for line in collected.splitlines() if "::" in line]
+    graded = grading.graded_tests(seed=12345)
+    assert [t.name for t in graded] == names and len(names) >= 12
+    for test in graded:
+        function = getattr(hidden, test.name.split("[")[0])
+        marker = next(m for m in function.pytestmark if m.name == "points")
+        assert test.points == marker.args[0], test.name
+        assert test.function in grading.HINTS and test.function in hidden.TASKS
+    assert set(SUBSET_NAMES) <= set(names)
+
+
+def test_seeds_change_the_data_not_the_tests():
+    one, two = grading.graded_tests(1), grading.graded_tests(2)
+    assert [t.name for t in one] == [t.name for t in two]
+    assert one[0].job.args != two[0].job.args and one[1].job.args != two[1].job.args
+    json.dumps([t.job.as_json("t", 1.0) for t in one])  # jobs travel as JSON
+
+
+def test_feedback_never_shows_expected_values():
+    message = "m: rank 0, 'w': element (3, 1) is 0.125, expected 0.25 (4 of 10 elements differ)"
+    assert "0.25" not in grading.redact(message) and "0.125" in grading.redact(message)
+    assert "(4 of 10 elements differ)" in grading.redact(message)
+    buckets = "assign_buckets, case 2 (...): the buckets are [['a'], ['b']], expected [['b', 'a']]"
+    assert "['b', 'a']" not in grading.redact(buckets) and "[['a'], ['b']]" in grading.redact(buckets)
+
+
+def test_the_intake_check_accepts_the_solution_and_refuses_the_delegations():
+    rules = grading.FORBIDDEN
+    assert forbidden.check((ROOT / "solutions/a3_ddp/ddp.py").read_text(), rules) is None
+    for code in (
+        "import minidist as md\nwrapped = md.DistributedDataParallel",
+        "from minidist.parallel.ddp import DistributedDataParallel",
+        "import torch\nwrapped = torch.nn.parallel.DistributedDataParallel",
+        "from torch.nn.parallel import DistributedDataParallel",
+        "import torch.distributed as dist",
+    ):
+        assert forbidden.check(code, rules) is not None, code
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_examples_and_the_stub_get_their_scores(tmp_path):
+    submissions = tmp_path / "subs"
+    make.write(submissions, make.build_dict())
+    (submissions / "stub").mkdir()
+    (submissions / "stub" / make.FILE).write_bytes(make.STUB.read_bytes())
+    out = tmp_path / "out"
+    selection = [arg for pattern in SUBSET for arg in ("--tests", pattern)]
+    grade(submissions, out, "--jobs", "2", "--test-timeout", "20", *selection)
+    book = gradebook(out)
+    assert (
+        book["alice"]["score"]
+        == book["alice"]["max_score"]
+        == f"{make.expected_score('alice', SUBSET_NAMES):g}"
+    )
+    for student, (status, _) in make.LOST.items():
+        score = make.expected_score(student, SUBSET_NAMES)
+        assert (book[student]["status"], float(book[student]["score"])) == (status, score), book[student]
+    assert book["stub"]["score"] == "0" and book["stub"]["status"] == "ok"
+    stub = json.loads((out / "stub" / "results.json").read_text())
+    assert all("NotImplementedError" in t["output"] and "TODO(task" in t["output"] for t in stub["tests"])
+    assert "did not finish within 20 s" in (out / "dave" / "feedback.md").read_text()
+    assert "nothing overlaps backward" in (out / "bob" / "feedback.md").read_text()
+    assert "which is wrong" in (out / "carol" / "feedback.md").read_text()
+    assert "minidist.DistributedDataParallel" in book["frank"]["reason"]
+    assert float(book["alice"]["similarity"]) < similarity.FLAG_AT
