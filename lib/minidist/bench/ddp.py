@@ -130,6 +130,10 @@ def _run_mode(comm, cfg: DdpBench, mode: Mode) -> dict:
         result["buckets"] = len(ddp.buckets)
         result["events"] = recorder.events[first_event:]
         result["overlap"] = trace.overlap(result["events"])
+        spans = lambda name: [e["dur_us"] / 1e3 for e in result["events"] if e["name"] == name]  # noqa: E731
+        result["backward_ms"] = statistics.median(spans("backward"))
+        comm_ms = [e["dur_us"] / 1e3 for e in result["events"] if e["cat"] == "comm"]
+        result["comm_ms_per_step"] = sum(comm_ms) / cfg.steps  # summed over buckets (they may overlap)
         ddp.remove_hooks()
     return result
 
@@ -208,6 +212,8 @@ def run(
                 human_bytes(int(sent)) if sent == sent else "-",
                 human_bytes(int(ring_bytes)) if sent == sent else "-",
                 r.get("buckets", "-"),
+                r.get("backward_ms", math.nan),
+                r.get("comm_ms_per_step", math.nan),
                 r.get("overlap", math.nan),
             ]
         )
@@ -222,12 +228,15 @@ def run(
             "bytes/step",
             "ring formula",
             "buckets",
+            "backward ms",
+            "allreduce ms",
             "overlap",
         ],
         table,
         title=f"BERT {cfg.model}, {p} ranks x batch {cfg.batch} x seq {cfg.seq}, 1 thread each, "
         f"gradients {human_bytes(grad_bytes)}, median of {cfg.steps} steps after {cfg.warmup} "
-        f"(x torch = our step time / torch DDP's; overlap = share of allreduce time inside backward)",
+        f"(x torch = our step time / torch DDP's; backward ms: rank 0's backward span; allreduce ms: "
+        "its bucket spans summed; overlap = share of allreduce time inside backward)",
     )
     print(f"load average before {load_before[0]:.1f}, after {load_after[0]:.1f} (2 cores)")
     by_label = {(t, label): r for t, label, r in rows}
