@@ -132,10 +132,21 @@ def _run_mode(comm, cfg: DdpBench, mode: Mode) -> dict:
         result["overlap"] = trace.overlap(result["events"])
         spans = lambda name: [e["dur_us"] / 1e3 for e in result["events"] if e["name"] == name]  # noqa: E731
         result["backward_ms"] = statistics.median(spans("backward"))
-        comm_ms = [e["dur_us"] / 1e3 for e in result["events"] if e["cat"] == "comm"]
-        result["comm_ms_per_step"] = sum(comm_ms) / cfg.steps  # summed over buckets (they may overlap)
+        comm = [(e["ts_us"], e["ts_us"] + e["dur_us"]) for e in result["events"] if e["cat"] == "comm"]
+        result["comm_ms_per_step"] = _covered_us(comm) / 1e3 / cfg.steps
         ddp.remove_hooks()
     return result
+
+
+def _covered_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of intervals: the time during which some allreduce was in flight
+    (buckets queued behind each other overlap in time; summing them would count twice)."""
+    covered, reach = 0.0, -math.inf
+    for start, end in sorted(intervals):
+        if end > reach:
+            covered += end - max(start, reach)
+            reach = end
+    return covered
 
 
 def bench_worker(comm, cfg: DdpBench, modes: list[Mode]) -> dict:
@@ -236,9 +247,9 @@ def run(
         title=f"BERT {cfg.model}, {p} ranks x batch {cfg.batch} x seq {cfg.seq}, 1 thread each, "
         f"gradients {human_bytes(grad_bytes)}, median of {cfg.steps} steps after {cfg.warmup} "
         f"(x torch = our step time / torch DDP's; backward ms: rank 0's backward span; allreduce ms: "
-        "its bucket spans summed; overlap = share of allreduce time inside backward)",
+        "time per step with some bucket in flight; overlap = share of allreduce time inside backward)",
     )
-    print(f"load average before {load_before[0]:.1f}, after {load_after[0]:.1f} (2 cores)")
+    print(f"load average before {load_before[0]:.1f}, after {load_after[0]:.1f} ({os.cpu_count()} cores)")
     by_label = {(t, label): r for t, label, r in rows}
     goals = {}
     if ("shm", "overlap") in by_label:
