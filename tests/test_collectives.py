@@ -10,6 +10,7 @@ import torch
 
 import minidist as md
 import peer_workers
+import shm_workers
 import workers
 from minidist.collectives import cost_model
 
@@ -391,3 +392,80 @@ def test_alpha_beta_fit_recovers_a_line():
     sizes = [2**k for k in range(10, 24)]
     alpha, beta = cost_model.fit_alpha_beta(sizes, [3e-6 + s * 5e-11 for s in sizes])
     assert alpha == pytest.approx(3e-6) and beta == pytest.approx(5e-11)
+
+
+# --- the shared-memory allreduce's pipelined path (vectors above 64 KiB, in pieces) ---
+def _piece_cases(world_size: int, piece_bytes: int) -> list[dict]:
+    """Every dtype and op, at lengths that cross each boundary of the pipelined path: just
+    above the small path, whole pieces, one element more, a last piece shorter than the
+    number of ranks, and enough pieces that the three stages wrap around several times."""
+    from minidist.collectives.shm_allreduce import SMALL_BYTES
+
+    cases = []
+    for seed, dtype in enumerate(shm_workers.DTYPES):
+        size = shm_workers.DTYPES[dtype].itemsize
+        per_piece, small = piece_bytes // size, SMALL_BYTES // size
+        pieces = max(4, -(-small // per_piece) + 1)
+        lengths = [small + 1, pieces * per_piece, pieces * per_piece + 1]
+        lengths += [pieces * per_piece + world_size - 1, (pieces + 3) * per_piece - 1]
+        ops = ["max", "min"] if dtype == "bool" else ["sum", "avg"] if dtype == "complex64" else OPS
+        for op in ops:
+            for n in lengths:
+                cases.append({"dtype": dtype, "op": op, "shape": (n,), "seed": seed})
+        columns = -(-small // 97) + 2  # a non-contiguous matrix above the small path
+        cases.append({"dtype": dtype, "op": ops[0], "shape": (97, columns), "seed": seed, "noncontig": True})
+    return cases
+
+
+@pytest.mark.parametrize("world_size, piece_bytes", [(2, 4096), (3, 4096), (4, 8192), (2, None)])
+def test_shm_allreduce_in_pieces_matches_a_single_process_reference(monkeypatch, world_size, piece_bytes):
+    """Small pieces (4-8 KiB) put dozens of piece boundaries and stage wrap-arounds into
+    tensors of ~100 KiB; the default piece size (None) is checked at a few MiB."""
+    from minidist.transport import shm_workspace
+
+    if piece_bytes is None:
+        piece_bytes = shm_workspace.PIECE_BYTES
+        cases = [
+            {"dtype": dtype, "op": op, "shape": (n,), "seed": 1}
+            for dtype in ["float32", "bfloat16"]
+            for op in ["sum", "max"]
+            for n in [piece_bytes // 4 * 3 + 1, piece_bytes // 2 * 5 - 1]
+        ]
+    else:
+        monkeypatch.setattr(shm_workspace, "PIECE_BYTES", piece_bytes)  # read by the launcher
+        cases = _piece_cases(world_size, piece_bytes)
+    outs = md.launch(
+        shm_workers.allreduce_against_reference, world_size, args=(cases,), transport="shm", timeout=180
+    )
+    for i, case in enumerate(cases):
+        for r in range(world_size):
+            assert outs[r][i][0], ("differs from the reference", case, r)
+            assert outs[r][i][1] == outs[0][i][1], ("ranks differ", case, r)
+
+
+def test_shm_allreduce_stays_in_step_after_a_small_large_mismatch():
+    sizes = [300_000, 5, 700_001, 40_000, 262_145, 1_000_000]
+    p = 3
+    outs = md.launch(shm_workers.mismatch_then_agree, p, args=(sizes,), transport="shm", timeout=120)
+    want = [float(sum(r + i for r in range(p))) for i in range(len(sizes))]
+    for error, results in outs:
+        assert error is not None and "do not agree" in error
+        assert results == want
+
+
+def test_a_large_shm_allreduce_reports_a_peer_that_left():
+    outs = md.launch(shm_workers.large_allreduce_after_peers_left, 2, transport="shm", timeout=60)
+    kind, message = outs[0]
+    assert kind == "PeerError" and "rank 1" in message, outs[0]
+
+
+def test_slice_bounds_cover_the_piece_with_cache_line_starts():
+    from minidist.collectives.shm_allreduce import slice_bounds
+
+    for numel in [0, 1, 2, 15, 16, 17, 100, 1023, 1024, 1025]:
+        for parts in [1, 2, 3, 4, 7]:
+            for size in [1, 2, 4, 8, 16]:
+                bounds = slice_bounds(numel, parts, size)
+                assert len(bounds) == parts and bounds[0][0] == 0 and bounds[-1][1] == numel
+                assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+                assert all(lo <= hi and (lo * size) % 64 == 0 or lo == numel for lo, hi in bounds)

@@ -4,8 +4,9 @@ Point-to-point algorithms move every byte twice per hop (into a mailbox, out
 of it). When all ranks can map the same memory there is a shorter way. The
 shm transport gives every rank the same *workspace*
 (``comm.shared_workspace``; its layout is defined in
-``transport/shm_workspace.py``): a flag, a meta record and a data slot per rank,
-in two buffers that alternate between operations.
+``transport/shm_workspace.py``): a flag and a meta record per rank, small data
+slots in two buffers that alternate between operations, and areas for the
+pieces of large vectors.
 
 Small vectors (one barrier):
   1. each rank copies its vector into its slot of the current buffer;
@@ -13,19 +14,23 @@ Small vectors (one barrier):
   3. each rank adds up all slots itself -- for a few KiB, computing the whole
      sum twice is cheaper than another round of synchronisation.
 
-Large vectors, in pieces of one slot (two barriers per piece):
-  1. each rank copies its piece into its slot;
-  2. barrier;
-  3. rank r reduces the r-th 1/p of the piece across all slots, in place in
-     slot 0 (a reduce-scatter: every rank does 1/p of the arithmetic);
-  4. barrier;
-  5. each rank copies the whole reduced piece out of slot 0 (an allgather).
+Large vectors, in pieces of ``piece_bytes`` (one barrier per piece, pipelined):
+  rank r owns slice r of every piece. It copies the *other* slices of its piece
+  into its area of the workspace; after the barrier it adds up slice r -- its
+  own tensor's slice and the others' published copies -- writes the sum into its
+  tensor and into its area, where the others collect it after the next barrier
+  (a reduce-scatter, then an allgather, through the cache). Three stages of areas
+  let piece k+1 be published while piece k-1 is still being collected, so the
+  barrier of piece k+1 also tells everyone that piece k is reduced. Per byte,
+  each rank copies (p-1)/p in and (p-1)/p out and reduces 1/p: half the copying
+  of "everyone copies everything in, then everything out".
 
 Barrier: rank r writes an increasing epoch number into its own flag and waits
 until every flag has reached it -- no locks, no atomics, each flag has a single
-writer. Two buffers alternate between operations, so a rank may start copying
-the next piece while a slower one is still reading this one; it cannot get two
-operations ahead, because that needs everyone at the barrier in between.
+writer. Two buffers (small vectors) and three stages (pieces of large ones)
+alternate, so a rank may start writing the next operation while a slower one is
+still reading this one; it cannot get further ahead, because that needs everyone
+at the barrier in between.
 
 Agreement: this module validates nothing itself. ``collectives.api.allreduce``
 checks the arguments and computes the call's signature (a checksum of shape,
@@ -41,7 +46,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import numpy as np
 import torch
@@ -49,14 +53,10 @@ import torch
 from ..comm import KIND_DATA, describe_header, encode_header
 from ..errors import MessageMismatch
 from ..transport.shm_workspace import HEADER_START, OP_INDEX, SharedWorkspace
-from .ops import OPS, Flat, chunk_bounds, combine_, finish_
+from .ops import OPS, Flat, combine_, finish_
 from .signature import signature_tag
 
 SMALL_BYTES = 64 * 1024
-# Large vectors go through the workspace in pieces of this size: small enough that a
-# piece, its p copies and the result stay in the CPU's cache between the copy-in, the
-# reduction and the copy-out (2-3x faster than pieces the size of a whole slot).
-PIECE_BYTES = int(os.environ.get("MINIDIST_SHM_PIECE", 1 << 20))
 MESSAGE_ALGORITHMS = ("star", "tree", "ring", "butterfly")
 
 _NUMPY_DTYPES = {
@@ -79,6 +79,7 @@ class _State:
         self.workspace = workspace
         self.numpy_views: dict = {}  # (buffer, dtype, numel) -> [slot 0 .. slot p-1, scratch]
         self.typed: dict = {}
+        self.plans: dict = {}  # (stage, dtype, piece numel) -> _PiecePlan
         self.written: list = [None, None]  # the signature whose meta this rank last wrote, per buffer
 
     def typed_slot(self, b: int, r: int, dtype: torch.dtype) -> torch.Tensor:
@@ -234,20 +235,121 @@ def _workspace_allreduce(
                 combine_(flat, view, op)
         finish_(flat, op, p)
         return
-    per_piece = min(workspace.slot_bytes, PIECE_BYTES) // flat.element_size()
-    for start in range(0, flat.numel(), per_piece):
-        piece = flat[start : start + per_piece]
-        numel = piece.numel()
-        b = workspace.next_buffer()
-        mine = state.typed_slot(b, rank, flat.dtype)[:numel]
-        mine.copy_(piece)
-        _publish(comm, state, b, tensor, op, signature)
+    _pipelined_allreduce(comm, state, tensor, flat, op, signature)
+
+
+def slice_bounds(numel: int, parts: int, element_size: int) -> list[tuple[int, int]]:
+    """Split a piece of ``numel`` elements into ``parts`` slices whose starts are 64-byte
+    aligned (whole cache lines: two ranks never write the same line); the last may be
+    shorter and some may be empty when ``numel`` is small.
+
+    >>> slice_bounds(100, 2, 4)
+    [(0, 64), (64, 100)]
+    """
+    line = max(1, 64 // element_size)
+    per = -(-numel // parts)  # ceil(numel / parts) ...
+    per = -(-per // line) * line  # ... rounded up to whole cache lines
+    return [(min(i * per, numel), min((i + 1) * per, numel)) for i in range(parts)]
+
+
+class _PiecePlan:
+    """For one stage, dtype and piece length: the slice bounds and the views of the
+    areas that this rank writes and reads (built once, reused by every piece)."""
+
+    def __init__(self, workspace: SharedWorkspace, stage: int, rank: int, dtype, numel: int) -> None:
+        p = workspace.world_size
+        areas = [workspace.areas[stage][r].view(dtype) for r in range(p)]
+        self.bounds = slice_bounds(numel, p, areas[0].element_size())
+        self.lo, self.hi = lo, hi = self.bounds[rank]
+        # publish: the parts of the piece before and after this rank's own slice
+        self.publish = [(a, b, areas[rank][a:b]) for a, b in ((0, lo), (hi, numel)) if a < b]
+        self.sources = [None if r == rank else areas[r][lo:hi] for r in range(p)]
+        self.result = areas[rank][lo:hi]
+        self.collect = [(a, b, areas[r][a:b]) for r, (a, b) in enumerate(self.bounds) if r != rank and a < b]
+
+
+def _plan(state: _State, stage: int, rank: int, dtype, numel: int) -> _PiecePlan:
+    plan = state.plans.get((stage, dtype, numel))
+    if plan is None:
+        if len(state.plans) > 64:  # last pieces of many different lengths: forget the old ones
+            state.plans.clear()
+        plan = state.plans[(stage, dtype, numel)] = _PiecePlan(state.workspace, stage, rank, dtype, numel)
+    return plan
+
+
+def _pipelined_allreduce(
+    comm, state: _State, tensor: torch.Tensor, flat: torch.Tensor, op: str, signature: int
+) -> None:
+    """Allreduce a large ``flat`` in place, piece by piece, one barrier per piece.
+
+    Piece k (``piece_bytes`` of the vector) is cut into p slices; rank r owns slice r
+    of every piece. With ``A[s][r]`` rank r's area in stage s = k mod 3::
+
+        publish(k)   rank r copies its slices j != r of piece k into A[s][r]   (p-1)/p bytes
+        barrier k    every rank has published piece k (and finished piece k-1)
+        reduce(k)    rank r: slice r of its own tensor (op) slice r of A[s][j], j != r,
+                     into A[s][r] (its own slice there was free), then into its tensor
+        collect(k-1) rank r copies slice j of A[s-1][j] (reduced by rank j before
+                     barrier k) into its tensor, for j != r                     (p-1)/p bytes
+        publish(k+1) into stage s+1 = s-2: its last readers finished before barrier k
+
+        rank 0:  pub 0 | B0 | red 0 pub 1 | B1 | red 1 col 0 pub 2 | B2 | ... | Bn | col n-1
+        rank 1:  pub 0 | B0 | red 0 pub 1 | B1 | red 1 col 0 pub 2 | B2 | ... | Bn | col n-1
+
+    Per rank and byte of the vector: (p-1)/p copied in, (p-1)/p copied out and 1/p
+    reduced from p sources (then copied into the tensor) -- the data a ring moves,
+    without the messages -- and n / piece_bytes + 1 barriers. A piece's areas stay
+    in the cache between its publication, reduction and collection.
+    """
+    workspace = state.workspace
+    p, rank, dtype = comm.world_size, comm.rank, flat.dtype
+    numel = flat.numel()
+    per_piece = workspace.piece_bytes // flat.element_size()
+    b = workspace.next_buffer()  # for the signature: meta records alternate like small calls
+    _publish(comm, state, b, tensor, op, signature)
+    entry_stage = workspace.stage
+    stage = workspace.next_stage()
+    plan = _plan(state, stage, rank, dtype, min(per_piece, numel))
+    for lo, hi, area in plan.publish:
+        area.copy_(flat[lo:hi])
+    previous = None  # (start, plan) of the piece waiting to be collected
+    for start in range(0, numel, per_piece):
         _barrier(comm, state, tensor, op)
-        _check_agreement(comm, state, b)
-        lo, hi = chunk_bounds(numel, p)[rank]
-        acc = state.typed_slot(b, 0, flat.dtype)[lo:hi]
-        for r in range(1, p):
-            combine_(acc, state.typed_slot(b, r, flat.dtype)[lo:hi], op)
-        finish_(acc, op, p)
-        _barrier(comm, state, tensor, op)
-        piece.copy_(state.typed_slot(b, 0, flat.dtype)[:numel])
+        if previous is None:
+            try:
+                _check_agreement(comm, state, b)
+            except MessageMismatch:
+                # a peer may have taken the small path, which uses no stage: stay in step with it
+                workspace.stage = entry_stage
+                raise
+        if plan.lo < plan.hi:  # reduce this rank's slice, in rank order (the same bits on all ranks)
+            mine = flat[start + plan.lo : start + plan.hi]
+            result, sources = plan.result, plan.sources
+            first, second = (sources[0] if rank else mine), (sources[1] if rank != 1 else mine)
+            if op == "sum" or op == "avg":
+                torch.add(first, second, out=result)
+            elif op == "max":
+                torch.maximum(first, second, out=result)
+            else:
+                torch.minimum(first, second, out=result)
+            for r in range(2, p):
+                combine_(result, mine if r == rank else sources[r], op)
+            finish_(result, op, p)
+            mine.copy_(result)
+        if previous is not None:
+            _collect(flat, *previous)
+        previous = (start, plan)
+        following = start + per_piece
+        if following < numel:
+            stage = workspace.next_stage()
+            plan = _plan(state, stage, rank, dtype, min(per_piece, numel - following))
+            for lo, hi, area in plan.publish:
+                area.copy_(flat[following + lo : following + hi])
+    _barrier(comm, state, tensor, op)  # every slice of the last piece is reduced
+    _collect(flat, *previous)
+
+
+def _collect(flat: torch.Tensor, start: int, plan: _PiecePlan) -> None:
+    """Copy the slices of a piece that the other ranks reduced into this rank's tensor."""
+    for lo, hi, area in plan.collect:
+        flat[start + lo : start + hi].copy_(area)

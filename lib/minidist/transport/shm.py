@@ -55,8 +55,9 @@ import torch
 
 from ..comm import HEADER_INTS, Communicator
 from ..errors import PeerError
+from . import shm_workspace
 from .presence import PeerPresence, allocate_presence
-from .shm_workspace import SLOT_BYTES, SharedWorkspace, allocate_workspace
+from .shm_workspace import PIECE_BYTES, SLOT_BYTES, SharedWorkspace, allocate_workspace
 
 CTRL_BYTES = 256  # sent at byte 0, acked at byte 128: separate cache lines
 SLOT_HEADER_INTS = 32
@@ -92,7 +93,11 @@ def mailbox_bytes(chunk: int = DEFAULT_CHUNK, slots: int = DEFAULT_SLOTS) -> int
 
 
 def allocate_mailboxes(
-    world_size: int, chunk: int = DEFAULT_CHUNK, slots: int = DEFAULT_SLOTS, workspace_slot: int = SLOT_BYTES
+    world_size: int,
+    chunk: int = DEFAULT_CHUNK,
+    slots: int = DEFAULT_SLOTS,
+    workspace_slot: int | None = None,
+    workspace_piece: int | None = None,
 ):
     """Create the shared blocks for every ordered pair, the workspace and the presence table.
 
@@ -102,6 +107,9 @@ def allocate_mailboxes(
     file has no name in /dev/shm: nothing can leak, even if every process is killed.
     """
     require_store_order()
+    # read now, not at import: a test may set smaller pieces to cross many piece boundaries
+    workspace_slot = workspace_slot or shm_workspace.SLOT_BYTES
+    workspace_piece = workspace_piece or shm_workspace.PIECE_BYTES
     size = mailbox_bytes(chunk, slots)
     boxes = {}
     for src in range(world_size):
@@ -113,8 +121,9 @@ def allocate_mailboxes(
         "boxes": boxes,
         "chunk": chunk,
         "slots": slots,
-        "workspace": allocate_workspace(world_size, workspace_slot),
+        "workspace": allocate_workspace(world_size, workspace_slot, workspace_piece),
         "workspace_slot": workspace_slot,
+        "workspace_piece": workspace_piece,
         "presence": allocate_presence(world_size),
     }
 
@@ -159,7 +168,12 @@ class MailboxComm(Communicator):
         self._workspace = (
             None
             if block is None
-            else SharedWorkspace(block, world_size, resources.get("workspace_slot", SLOT_BYTES))
+            else SharedWorkspace(
+                block,
+                world_size,
+                resources.get("workspace_slot", SLOT_BYTES),
+                resources.get("workspace_piece", PIECE_BYTES),
+            )
         )
         table = resources.get("presence")
         self._presence = None if table is None else PeerPresence(table, rank)
