@@ -71,8 +71,10 @@ def test_collectives_benchmark_reports_every_algorithm_against_gloo(tmp_path):
         "0.01",
         out=tmp_path,
     )
-    assert "busbw GB/s" in out and "x gloo" in out
+    assert "busbw GB/s" in out and "x gloo" in out and "% ceiling" in out and "memory-copy ceiling" in out
     data = json.loads((tmp_path / "collectives_p2.json").read_text())
+    assert set(data["memcpy_seconds"]) == {"1024", "4096", "16384"}
+    assert all(0 < t < 10 for t in data["memcpy_seconds"].values())
     expected = {"gloo"} | {f"{a}/shm" for a in ["shm", "ring", "butterfly", "tree", "star"]}
     expected |= {f"{a}/{t}" for a in ["ring", "butterfly", "tree", "star"] for t in ["pipe", "torch"]}
     assert set(data["seconds"]) == expected
