@@ -207,9 +207,9 @@ class BucketedDDP:
         ]
         #: id(parameter) -> (its bucket, its position in the bucket)
         self._where: dict[int, tuple[Bucket, int]] = {}
-        for bucket in self._buckets:
-            for position, param in enumerate(bucket.params):
-                self._where[id(param)] = (bucket, position)
+        for owner in self._buckets:
+            for position, param in enumerate(owner.params):
+                self._where[id(param)] = (owner, position)
                 param.register_post_accumulate_grad_hook(self._on_gradient_ready)
 
     def __call__(self, *args, **kwargs):

@@ -3,8 +3,8 @@
     python -m pytest -q test_a3_ddp.py
 
 Task 1 is tested in this process; the rest runs your ``BucketedDDP`` on 2 ranks
-(``a3_helpers.ddp_run``) and compares it with one process training on the whole batch
-(``a3_helpers.one_process``), computed here. Your module is imported inside the worker
+(``a3_trace.ddp_run``) and compares it with one process training on the whole batch
+(``a3_trace.one_process``), computed here. Your module is imported inside the worker
 processes only, afresh at every launch (one recorded run of an MLP is shared by three tests).
 The grader runs more tests: other models (tied weights, frozen and unused parameters), 3 ranks,
 the "pipe" transport, and it times your allreduces against backward with hooks of its own.
@@ -16,7 +16,7 @@ import functools
 
 import pytest
 import torch
-from a3_helpers import Setup, ddp_run, largest_difference, one_process
+from a3_trace import Setup, ddp_run, largest_difference, one_process
 from torch import nn
 
 import minidist as md
@@ -68,14 +68,14 @@ def params(*specs) -> list[tuple[str, nn.Parameter]]:
 
 
 # --- task 1 ----------------------------------------------------------------------------------
-def test_assign_buckets_docstring_example():
+def test_buckets_of_the_docstring_example():
     from ddp import MIB, assign_buckets
 
     named = params(("a", 100, True), ("b", 100, True), ("c", 75, True), ("d", 300, True))  # float32
     assert assign_buckets(named, 1000 / MIB) == [["d"], ["c", "b"], ["a"]]
 
 
-def test_assign_buckets_skips_frozen_and_repeated_parameters():
+def test_buckets_skip_frozen_and_repeated_parameters():
     from ddp import MIB, assign_buckets
 
     named = params(("emb", 64, True), ("frozen", 64, False), ("w", 32, True), ("b", 32, True))
@@ -135,7 +135,7 @@ def test_the_first_bucket_is_launched_while_backward_computes():
             f"rank {rank}: {len(comm)} comm spans, expected one per bucket per step "
             "(recorder.begin at the launch, recorder.end after wait)"
         )
-        for span in backward:  # "backward" ends when the last gradient is ready (a hook of a3_helpers)
+        for span in backward:  # "backward" ends when the last gradient is ready (a hook of a3_trace)
             launched = [t for t in comm if span["ts_us"] <= t]
             assert launched and launched[0] < span["ts_us"] + span["dur_us"], (
                 f"rank {rank}: no bucket was launched before backward's last gradient: "
