@@ -203,7 +203,7 @@ def test_big_decoders_build_on_meta_and_match_formula(name):
 
 @pytest.fixture
 def one_thread():
-    # On a shared 2-core machine, two torch threads per process wait on each other; one is several times faster.
+    # On a shared 2-core machine, two torch threads per process wait on each other: one is faster.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
