@@ -268,3 +268,22 @@ def bert_ddp(comm, batch: int, seq: int, steps: int, bucket_mb: float) -> dict:
         "grads": grads,
         "buckets": ddp.buckets,
     }
+
+
+class _MeanOfRows:
+    """Handle whose ``wait()`` returns a NEW tensor: the mean of an allgather's rows."""
+
+    def __init__(self, work) -> None:
+        self.work = work
+
+    def wait(self, timeout=None) -> torch.Tensor:
+        return self.work.wait(timeout).mean(dim=0)
+
+
+def allgather_mean_hook(comm, flat_grad: torch.Tensor, bucket_index: int) -> _MeanOfRows:
+    """A comm hook that is not an in-place allreduce: DDP must copy its result back."""
+    return _MeanOfRows(md.allgather(comm, flat_grad, async_op=True))
+
+
+def train_ddp_allgather_hook(comm, cfg: dict) -> dict:
+    return train_ddp(comm, cfg, comm_hook=allgather_mean_hook)

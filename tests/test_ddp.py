@@ -236,3 +236,13 @@ def test_ddp_bench_smoke(tmp_path, capsys):
     assert rows["after backward"]["overlap"] == 0.0
     assert (tmp_path / "ddp_tiny_p2.json").exists()
     assert "x torch" in capsys.readouterr().out
+
+
+def test_a_comm_hook_that_returns_a_new_tensor():
+    """comm_hook contract: wait() returns the averaged flat gradient, here a new tensor
+    (mean of an allgather), which DDP copies back into the bucket."""
+    cfg = w.config(bucket_mb=w.SEVERAL_BUCKETS_MB, tie=True)
+    outs = md.launch(w.train_ddp_allgather_hook, 2, args=(cfg,), transport="pipe", timeout=90)
+    reference = w.train_single(cfg)
+    for out in outs:
+        assert_states_close(out["state"], reference)
