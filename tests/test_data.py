@@ -189,3 +189,13 @@ def test_pretraining_lowers_held_out_loss(tok, eval_blocks, one_thread):
     # The evaluation is a pure function of model, blocks and seed.
     again = evaluate_mlm(result.model, held_out, tok, seed=cfg.eval_seed)
     assert again == result.after
+
+
+@pytest.mark.gpu
+def test_cuda_ids_get_the_same_masks_from_a_cpu_generator(tok, eval_blocks):
+    ids = eval_blocks[:8]
+    on_cpu = data.mask_tokens(ids, tok, torch.Generator().manual_seed(5))
+    on_cuda = data.mask_tokens(ids.cuda(), tok, torch.Generator().manual_seed(5))
+    assert on_cuda.input_ids.is_cuda
+    assert torch.equal(on_cuda.input_ids.cpu(), on_cpu.input_ids)
+    assert torch.equal(on_cuda.labels.cpu(), on_cpu.labels)

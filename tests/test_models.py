@@ -253,3 +253,22 @@ def test_bad_input_gets_clear_errors():
         model(torch.zeros(1, 4, dtype=torch.long), labels=torch.zeros(1, 5, dtype=torch.long))
     with pytest.raises(ValueError, match="causal"):
         decoder.DecoderLM(bert.CONFIGS["tiny"])
+
+
+@pytest.mark.gpu
+def test_cuda_forward_and_backward_match_cpu():
+    cpu_model = _bert()
+    cuda_model = _bert().cuda()
+    ids = torch.randint(5, 8192, (2, 16), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    cpu_out = cpu_model(ids, labels=labels)
+    cuda_out = cuda_model(ids.cuda(), labels=labels.cuda())
+    torch.testing.assert_close(cuda_out.logits.cpu(), cpu_out.logits, rtol=1e-3, atol=1e-3)
+    cpu_out.loss.backward()
+    cuda_out.loss.backward()
+    torch.testing.assert_close(
+        cuda_model.word_embeddings.grad.cpu(), cpu_model.word_embeddings.grad, rtol=1e-3, atol=1e-4
+    )
+    with torch.device("cuda"):
+        lm = decoder.DecoderLM(_small_cfg(position="alibi", causal=True, pre_ln=True))
+    assert lm(torch.zeros(1, 8, dtype=torch.long, device="cuda")).logits.device.type == "cuda"

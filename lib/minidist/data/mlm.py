@@ -99,23 +99,27 @@ def mask_tokens(
 
     Special tokens ([PAD], [UNK], [CLS], [SEP], [MASK]) are never chosen, and the random
     replacement is drawn uniformly from the ordinary tokens. All randomness comes from
-    ``generator``, so a seed fixes the masks (the evaluation uses one fixed mask set).
+    ``generator``, so a seed fixes the masks (the evaluation uses one fixed mask set). The
+    random numbers are drawn on the generator's device and moved to ``ids``' device, so a
+    CPU generator gives the same masks for CPU and CUDA ids.
     """
     if not 0.0 < prob < 1.0:
         raise ValueError(f"prob must be in (0, 1), got {prob}")
     specials = special_token_ids(tok)
     vocab_size = tok.get_vocab_size()
-    special_ids = torch.tensor(sorted(specials.values()))
+    draw_on = generator.device
+    special_ids = torch.tensor(sorted(specials.values()), device=ids.device)
     is_special = torch.isin(ids, special_ids)
-    chosen = (torch.rand(ids.shape, generator=generator) < prob) & ~is_special
-    action = torch.rand(ids.shape, generator=generator)
+    chosen = (torch.rand(ids.shape, generator=generator, device=draw_on).to(ids.device) < prob) & ~is_special
+    action = torch.rand(ids.shape, generator=generator, device=draw_on).to(ids.device)
     to_mask = chosen & (action < 0.8)
     to_random = chosen & (action >= 0.8) & (action < 0.9)
 
-    ordinary = torch.ones(vocab_size, dtype=torch.bool)
+    ordinary = torch.ones(vocab_size, dtype=torch.bool, device=ids.device)
     ordinary[special_ids] = False
     ordinary_ids = ordinary.nonzero().squeeze(1)
-    random_ids = ordinary_ids[torch.randint(len(ordinary_ids), ids.shape, generator=generator)]
+    draws = torch.randint(len(ordinary_ids), ids.shape, generator=generator, device=draw_on)
+    random_ids = ordinary_ids[draws.to(ids.device)]
 
     input_ids = ids.clone()
     input_ids[to_mask] = specials["[MASK]"]
