@@ -2,9 +2,10 @@
 
 References: torch.utils.data.DistributedSampler for the sampler, the binomial distribution for
 the masking proportions, the text itself for the tokenizer (decode(encode(x)) == normalised x).
-The tokenizer and the packed blocks come from the shared cache (``$MINIDIST_CACHE``); on an
-empty cache the first test that needs them trains the tokenizer (about 15 s on 2 cores) and
-packs the corpus (about 5 s).
+The tokenizer's vocabulary ships with the library; the packed blocks come from the shared cache
+(``$MINIDIST_CACHE``): on an empty cache the first test that needs them packs the corpus (about
+5 s). One test trains a tokenizer on the whole training split (about 15 s on 2 cores) to check
+that the shipped vocabulary is what the recipe makes.
 """
 
 from __future__ import annotations
@@ -55,6 +56,23 @@ def test_tokenizer_specials_vocab_and_round_trip(tok):
     assert "[UNK]" not in encoding.tokens
     assert tok.decode(encoding.ids) == "the hogwild trainer updates shared memory."
     assert tok.encode("the", add_special_tokens=False).tokens == ["the"]  # frequent words stay whole
+
+
+def test_shipped_vocabulary_is_what_training_on_the_course_text_makes(tok):
+    # training is not bit-reproducible (ties between merges are broken in hash order), so the
+    # shipped file and a fresh training agree on almost every token, not necessarily all
+    trained = data.train_tokenizer(data.corpus_articles("train"), vocab_size=8192)
+    shipped, fresh = data.vocabulary(tok), data.vocabulary(trained)
+    assert len(shipped) == len(fresh) == 8192 and shipped[:5] == list(data.SPECIAL_TOKENS)
+    assert len(set(shipped) & set(fresh)) >= 0.99 * 8192
+    text = " ".join(data.corpus_articles("eval")[:20])
+    assert tok.decode(tok.encode(text).ids) == trained.decode(trained.encode(text).ids)
+    assert tok.encode(text).ids == data.tokenizer_from_vocab(shipped).encode(text).ids
+
+
+def test_tokenizer_from_vocab_refuses_repeated_tokens():
+    with pytest.raises(ValueError, match="repeated"):
+        data.tokenizer_from_vocab(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "a"])
 
 
 def test_train_tokenizer_on_a_small_text():

@@ -2,7 +2,7 @@
 
     from minidist import data
     text = data.corpus_articles()            # list of article strings ("train", "eval", "all")
-    tok = data.load_tokenizer()              # tokenizers.Tokenizer, WordPiece, 8192 entries, cached
+    tok = data.load_tokenizer()              # tokenizers.Tokenizer, WordPiece, 8192 entries (shipped)
     blocks = data.mlm_dataset(tok, seq_len=128)            # LongTensor (n_blocks, 128), cached
     batch = data.mask_tokens(blocks[:32], tok, generator)  # (input_ids, labels with -100)
     sampler = data.DistributedSampler(len(blocks), comm.rank, comm.world_size, seed=0)
@@ -19,8 +19,10 @@ from minidist.data.tokenizer import (
     SPECIAL_TOKENS,
     load_tokenizer,
     special_token_ids,
+    tokenizer_from_vocab,
     tokenizer_path,
     train_tokenizer,
+    vocabulary,
 )
 
 __all__ = [
@@ -36,6 +38,8 @@ __all__ = [
     "mlm_dataset",
     "pack_blocks",
     "special_token_ids",
+    "tokenizer_from_vocab",
     "tokenizer_path",
     "train_tokenizer",
+    "vocabulary",
 ]

@@ -12,9 +12,16 @@ The five special tokens come first, so their ids are fixed: [PAD]=0, [UNK]=1, [C
 [MASK]=4. ``tok.encode(text)`` adds [CLS] ... [SEP] (BERT's template);
 ``tok.encode(text, add_special_tokens=False)`` does not.
 
-Training on the course's training split takes a few seconds; the result is a JSON file under the
-GloVe cache folder (``$MINIDIST_CACHE``, default ``~/.cache/minidist``) whose name carries the
-vocabulary size and ``TOKENIZER_VERSION`` (bump it when the corpus or the recipe changes).
+The course's 8192-entry vocabulary ships with the library (``wordpiece-8192.txt``, one token per
+line in id order), and ``load_tokenizer()`` builds the tokenizer from it. Why not train it on each
+machine: ``tokenizers``' trainer breaks ties between equally frequent merges in hash order, so two
+trainings on the same text differ in a handful of tokens -- and thousands of ids. Shipping the
+vocabulary makes every machine (a student's laptop, CI, the grader) see the same ids; a test
+checks that training with ``train_tokenizer`` on the course text still gives almost the same
+vocabulary (``python -m minidist.data.tokenizer`` rewrites the file from a fresh training).
+Other vocabulary sizes are trained on the course's training split (a few seconds) and cached as
+a JSON file under the GloVe cache folder (``$MINIDIST_CACHE``, default ``~/.cache/minidist``)
+whose name carries the vocabulary size and ``TOKENIZER_VERSION``.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ __all__ = [
     "TOKENIZER_VERSION",
     "load_tokenizer",
     "special_token_ids",
+    "tokenizer_from_vocab",
+    "vocabulary",
     "tokenizer_path",
     "train_tokenizer",
 ]
@@ -42,18 +51,47 @@ TOKENIZER_VERSION = 1
 DEFAULT_VOCAB_SIZE = 8192
 
 
+SHIPPED_VOCAB = Path(__file__).with_name(f"wordpiece-{DEFAULT_VOCAB_SIZE}.txt")
+
+
+def _bert_pipeline(model: models.WordPiece) -> Tokenizer:
+    """BERT's normaliser, pre-tokeniser and decoder around a WordPiece model."""
+    tok = Tokenizer(model)
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    return tok
+
+
 def train_tokenizer(texts: Iterable[str], vocab_size: int = DEFAULT_VOCAB_SIZE) -> Tokenizer:
     """A WordPiece tokenizer with ``vocab_size`` entries (special tokens included) learnt from ``texts``."""
     if vocab_size <= len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must exceed the {len(SPECIAL_TOKENS)} special tokens, got {vocab_size}")
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tok.decoder = decoders.WordPiece()
+    tok = _bert_pipeline(models.WordPiece(unk_token="[UNK]"))
     trainer = trainers.WordPieceTrainer(
         vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS), min_frequency=2, show_progress=False
     )
     tok.train_from_iterator(texts, trainer=trainer)
+    return _with_bert_template(tok)
+
+
+def tokenizer_from_vocab(tokens: list[str]) -> Tokenizer:
+    """The tokenizer whose vocabulary is ``tokens`` (id = position), with BERT's pipeline."""
+    if len(set(tokens)) != len(tokens):
+        raise ValueError("the vocabulary has repeated tokens: each line must be a different token")
+    vocab = {token: i for i, token in enumerate(tokens)}
+    tok = _bert_pipeline(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.add_special_tokens(list(SPECIAL_TOKENS))  # already in the vocabulary: ids unchanged
+    return _with_bert_template(tok)
+
+
+def vocabulary(tok: Tokenizer) -> list[str]:
+    """The tokens of ``tok`` in id order."""
+    by_id = sorted(tok.get_vocab(with_added_tokens=False).items(), key=lambda item: item[1])
+    return [token for token, _ in by_id]
+
+
+def _with_bert_template(tok: Tokenizer) -> Tokenizer:
     ids = special_token_ids(tok)
     tok.post_processor = processors.TemplateProcessing(
         single="[CLS] $A [SEP]",
@@ -83,7 +121,10 @@ def tokenizer_path(vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:
 
 
 def load_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE, cache: bool = True) -> Tokenizer:
-    """The course tokenizer: read from the cache, or trained on ``corpus_articles("train")`` and saved."""
+    """The course tokenizer: the shipped vocabulary for the default size; another size is read
+    from the cache, or trained on ``corpus_articles("train")`` and saved."""
+    if vocab_size == DEFAULT_VOCAB_SIZE:
+        return tokenizer_from_vocab(SHIPPED_VOCAB.read_text(encoding="utf-8").splitlines())
     path = tokenizer_path(vocab_size)
     if cache and path.exists():
         return Tokenizer.from_file(str(path))
@@ -94,3 +135,9 @@ def load_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE, cache: bool = True) -> 
         tok.save(str(partial))
         os.replace(partial, path)  # atomic: a concurrent reader never sees half a file
     return tok
+
+
+if __name__ == "__main__":  # rewrite the shipped vocabulary from a fresh training (maintainers)
+    trained = train_tokenizer(corpus_articles("train"), DEFAULT_VOCAB_SIZE)
+    SHIPPED_VOCAB.write_text("".join(token + "\n" for token in vocabulary(trained)), encoding="utf-8")
+    print(f"wrote {SHIPPED_VOCAB} ({DEFAULT_VOCAB_SIZE} tokens)")
