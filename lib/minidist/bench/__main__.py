@@ -63,6 +63,12 @@ def main(argv=None) -> None:
     ddp.add_argument("--no-emulated", action="store_true", help="skip the emulated 10 Gbit/s link")
     ddp.add_argument("--out", default=None)
     ddp.add_argument("--no-plot", action="store_true")
+    sub.add_parser("large_batch", help="batches B..64B: Adam linear/sqrt scaling vs LAMB", add_help=False)
+    args, rest = parser.parse_known_args(argv)
+    if args.bench == "large_batch":  # its own options: python -m minidist.bench large_batch --help
+        from . import large_batch as bench
+
+        return bench.main(rest)
     args = parser.parse_args(argv)
     if args.bench == "ddp":
         from . import ddp as bench
