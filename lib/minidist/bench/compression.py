@@ -1,0 +1,303 @@
+"""``python -m minidist.bench compression``: gradient compression hooks on BERT MLM, 2 ranks.
+
+``compare_hooks(cfg)`` trains the same BERT (``cfg.model``, real MLM batches of the
+course text, the same batches for every row) for ``cfg.steps`` steps through our
+``DistributedDataParallel`` over the emulated 10 Gbit/s link (shm underneath, so
+every byte goes through point-to-point messages and is counted), once per row:
+
+* ``dense``: the default hook (float32 allreduce), SGD with momentum, the averaged
+  gradient clipped to ``clip_norm``;
+* ``DGC``: ``DeepGradientCompression`` at ``sparsity`` after the warm-up
+  (``warmup_stage_steps`` per stage), momentum correction in the hook, plain SGD;
+* the ablations: DGC with one component removed (momentum correction -- then SGD
+  keeps the momentum --, local clipping, momentum masking, warm-up, error feedback);
+* ``bf16`` (bf16 allreduce) and ``sign EF`` (1 bit + a scale per bucket, error
+  feedback), both with SGD momentum and clipping of the average, like dense.
+
+One bucket (``bucket_mb=inf``, allreduced after backward): the clipping norm is the
+whole gradient's, as in the paper. Per row: the mean training loss of the last
+``loss_window`` steps (both ranks' losses), relative to dense; bytes sent per rank
+per step after the warm-up (measured with ``comm.stats``) and the formula; the
+compression ratio dense bytes / row bytes; the median step time over the emulated
+link and, in a second short run, on shm (compressors at their final sparsity).
+
+The machine is small and shared: only ratios measured in one run are claimed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from ._util import human_bytes, out_dir, print_table, save_json
+
+
+@dataclass(frozen=True)
+class CompressionBench:
+    """The training run every row repeats (per-rank batch; lr of SGD)."""
+
+    model: str = "tiny"
+    world_size: int = 2
+    batch: int = 8
+    seq: int = 64
+    steps: int = 150
+    lr: float = 0.1
+    momentum: float = 0.9
+    clip_norm: float = 1.0
+    sparsity: float = 0.999
+    warmup_stage_steps: int = 10
+    loss_window: int = 20
+    timing_steps: int = 6
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Row:
+    """One compressor: ``hook`` is "dense", "dgc", "bf16" or "sign"; ``dgc`` overrides DGCConfig fields."""
+
+    label: str
+    hook: str
+    dgc: tuple[tuple[str, object], ...] = ()
+
+
+ROWS = (
+    Row("dense", "dense"),
+    Row("DGC", "dgc"),
+    Row("DGC - momentum correction", "dgc", (("momentum_correction", False),)),
+    Row("DGC - local clipping", "dgc", (("clip_norm", None),)),
+    Row("DGC - momentum masking", "dgc", (("momentum_masking", False),)),
+    Row("DGC - warm-up", "dgc", (("warmup_stage_steps", 0),)),
+    Row("DGC - error feedback", "dgc", (("error_feedback", False),)),
+    Row("bf16", "bf16"),
+    Row("sign EF", "sign"),
+)
+
+
+def dgc_config(cfg: CompressionBench, row: Row):
+    from ..parallel.compression import DGCConfig
+
+    base = DGCConfig(
+        sparsity=cfg.sparsity,
+        warmup_stage_steps=cfg.warmup_stage_steps,
+        momentum=cfg.momentum,
+        clip_norm=cfg.clip_norm,
+        seed=cfg.seed,
+    )
+    return replace(base, **dict(row.dgc))
+
+
+def _batches(cfg: CompressionBench, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, labels) of shape [steps, p * batch, seq]: real MLM batches, fixed seed."""
+    from .. import data
+
+    tok = data.load_tokenizer()
+    blocks = data.mlm_dataset(tok, seq_len=128, split="train")[:, : cfg.seq]
+    gen = torch.Generator().manual_seed(cfg.seed)
+    rows = steps * cfg.world_size * cfg.batch
+    chosen = blocks[torch.randint(len(blocks), (rows,), generator=gen)]
+    masked = data.mask_tokens(chosen, tok, gen)
+    shape = (steps, cfg.world_size * cfg.batch, cfg.seq)
+    return masked.input_ids.view(shape), masked.labels.view(shape)
+
+
+def _hook(cfg: CompressionBench, row: Row):
+    from ..parallel import compression
+
+    if row.hook == "dgc":
+        return compression.DeepGradientCompression(dgc_config(cfg, row))
+    if row.hook == "bf16":
+        return compression.bf16_allreduce
+    if row.hook == "sign":
+        return compression.SignErrorFeedback()
+    return None
+
+
+def train_row(
+    comm, cfg: CompressionBench, row: Row, steps: int, emulated: bool, final_sparsity: bool
+) -> dict:
+    """Train ``steps`` steps of ``row`` on this rank; losses, bytes per step (after warm-up), times."""
+    from ..models import bert
+    from ..parallel.ddp import DistributedDataParallel
+    from ..transport.emulated import ETHERNET_10G, EmulatedLinkComm
+
+    if emulated:
+        comm = EmulatedLinkComm(comm, *ETHERNET_10G)
+    if final_sparsity and row.hook == "dgc":  # timing run: straight to the final sparsity
+        row = replace(row, dgc=(*row.dgc, ("warmup_stage_steps", 0)))
+    hook = _hook(cfg, row)
+    in_hook_momentum = row.hook == "dgc" and dgc_config(cfg, row).momentum_correction
+    torch.manual_seed(cfg.seed)
+    model = bert.BertForMLM(bert.CONFIGS[cfg.model])
+    ddp = DistributedDataParallel(model, comm, bucket_mb=math.inf, overlap=False, comm_hook=hook)
+    momentum = 0.0 if in_hook_momentum else cfg.momentum  # DGC's momentum correction keeps it in the hook
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=momentum)
+    ids, labels = _batches(cfg, steps)
+    mine = slice(comm.rank * cfg.batch, (comm.rank + 1) * cfg.batch)
+    stages = len(dgc_config(cfg, row).warmup_sparsities)
+    warmup_steps = 0 if final_sparsity else min(cfg.warmup_stage_steps * stages, steps - 1)
+    losses, times, before = [], [], comm.stats
+    comm.barrier()
+    for step in range(steps):
+        if step == warmup_steps:
+            before = comm.stats
+        start = time.perf_counter()
+        loss = ddp(ids[step, mine], labels=labels[step, mine]).loss
+        loss.backward()
+        if row.hook != "dgc":  # DGC clips locally, before compression
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    sent = (comm.stats - before).bytes_sent / (steps - warmup_steps)
+    ddp.remove_hooks()
+    numel = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    return {"losses": losses, "bytes_per_step": sent, "step_s": statistics.median(times[1:]), "numel": numel}
+
+
+def _worker(comm, cfg: CompressionBench, rows, steps: int, emulated: bool, final: bool) -> dict:
+    return {row.label: train_row(comm, cfg, row, steps, emulated, final) for row in rows}
+
+
+def _launch(cfg: CompressionBench, rows, steps: int, emulated: bool, final: bool) -> dict:
+    import minidist as md
+
+    outs = md.launch(
+        _worker,
+        cfg.world_size,
+        args=(cfg, rows, steps, emulated, final),
+        transport="shm",
+        threads_per_worker=1,
+        timeout=120 + 10 * len(rows) * steps,
+    )
+    merged = {}
+    for row in rows:
+        per_rank = [out[row.label] for out in outs]
+        merged[row.label] = {
+            **per_rank[0],
+            "losses": [statistics.mean(values) for values in zip(*(r["losses"] for r in per_rank))],
+            "step_s": max(r["step_s"] for r in per_rank),
+            "bytes_per_step": statistics.mean(r["bytes_per_step"] for r in per_rank),
+        }
+    return merged
+
+
+def formula_bytes(cfg: CompressionBench, row: Row, numel: int) -> float:
+    """What ``parallel.compression.traffic`` predicts per rank per step after the warm-up."""
+    from ..parallel.compression import dgc, traffic
+
+    p = cfg.world_size
+    if row.hook == "dgc":
+        return traffic.sparse_allgather_bytes(dgc.slots_for(numel, cfg.sparsity), p)
+    if row.hook == "sign":
+        return traffic.sign_allgather_bytes(numel, p)
+    return traffic.dense_ring_bytes(numel, p, 2 if row.hook == "bf16" else 4)
+
+
+def compare_hooks(cfg: CompressionBench = CompressionBench(), rows=ROWS, timing: bool = True) -> dict:
+    """Train every row (emulated 10G link) and, if ``timing``, time each on shm. See the module doc."""
+    trained = _launch(cfg, rows, cfg.steps, emulated=True, final=False)
+    shm = _launch(cfg, rows, cfg.timing_steps, emulated=False, final=True) if timing else {}
+    dense = trained[rows[0].label]
+    dense_loss = statistics.mean(dense["losses"][-cfg.loss_window :])
+    results = []
+    for row in rows:
+        r = trained[row.label]
+        loss = statistics.mean(r["losses"][-cfg.loss_window :])
+        results.append(
+            {
+                "label": row.label,
+                "loss": loss,
+                "loss_vs_dense": loss / dense_loss - 1.0,
+                "bytes_per_step": r["bytes_per_step"],
+                "formula_bytes": formula_bytes(cfg, row, r["numel"]),
+                "ratio": dense["bytes_per_step"] / r["bytes_per_step"],
+                "step_s_10g": r["step_s"],
+                "step_s_shm": shm[row.label]["step_s"] if timing else math.nan,
+                "losses": r["losses"],
+            }
+        )
+    return {"config": asdict(cfg), "numel": dense["numel"], "rows": results}
+
+
+def print_compression_table(result: dict) -> str:
+    cfg = result["config"]
+    dense = result["rows"][0]
+    table = [
+        [
+            r["label"],
+            r["loss"],
+            f"{100 * r['loss_vs_dense']:+.1f}%",
+            human_bytes(int(r["bytes_per_step"])),
+            human_bytes(int(r["formula_bytes"])),
+            r["ratio"],
+            r["step_s_10g"] * 1e3,
+            r["step_s_10g"] / dense["step_s_10g"],
+            r["step_s_shm"] * 1e3,
+        ]
+        for r in result["rows"]
+    ]
+    return print_table(
+        ["hook", "loss", "vs dense", "bytes/step", "formula", "ratio", "10G ms", "x dense", "shm ms"],
+        table,
+        title=f"BERT {cfg['model']} MLM, {cfg['world_size']} ranks x batch {cfg['batch']} x seq "
+        f"{cfg['seq']}, "
+        f"{result['numel']:,} gradient entries, {cfg['steps']} steps of SGD lr {cfg['lr']} (momentum "
+        f"{cfg['momentum']}), DGC sparsity {cfg['sparsity']} after {cfg['warmup_stage_steps']} steps per "
+        f"warm-up stage. loss: mean of the last {cfg['loss_window']} steps; bytes/step: sent per rank after "
+        "warm-up; ratio: dense bytes / row bytes; 10G ms / shm ms: median step time",
+    )
+
+
+def run(cfg: CompressionBench = CompressionBench(), out: str | None = None, timing: bool = True) -> dict:
+    load_before = os.getloadavg()
+    print(f"training {len(ROWS)} rows x {cfg.steps} steps over the emulated 10 Gbit/s link ...", flush=True)
+    result = compare_hooks(cfg, timing=timing)
+    print()
+    print_compression_table(result)
+    load_after = os.getloadavg()
+    print(f"load average before {load_before[0]:.1f}, after {load_after[0]:.1f} ({os.cpu_count()} cores)")
+    rows = {r["label"]: r for r in result["rows"]}
+    dgc, dense = rows["DGC"], rows["dense"]
+    goals = {
+        "bytes_ratio": dgc["ratio"],
+        "faster_over_10g": dense["step_s_10g"] / dgc["step_s_10g"],
+        "loss_vs_dense": dgc["loss_vs_dense"],
+    }
+    print(f"goal: DGC >= 100x fewer bytes than dense -> {goals['bytes_ratio']:.0f}x (paper: 270-600x)")
+    speedup = goals["faster_over_10g"]
+    print(f"goal: DGC faster than dense over 10 Gbit/s -> dense / DGC step time {speedup:.2f}x")
+    print(f"goal: DGC loss within a few percent of dense -> {100 * goals['loss_vs_dense']:+.1f}%")
+    result["goals"], result["load"] = goals, [load_before, load_after]
+    save_json(out_dir(out), f"compression_{cfg.model}_p{cfg.world_size}", result)
+    return result
+
+
+def add_parser(sub) -> None:
+    """Register ``compression`` on the bench's subparsers (called by ``__main__``)."""
+    parser = sub.add_parser(
+        "compression", help="dense vs DGC (and ablations), bf16, sign-EF on BERT, 2 ranks"
+    )
+    parser.add_argument("--model", default="tiny", help="BERT config: tiny (default), mini")
+    parser.add_argument("--steps", type=int, default=CompressionBench.steps)
+    parser.add_argument("--batch", type=int, default=CompressionBench.batch)
+    parser.add_argument("--seq", type=int, default=CompressionBench.seq)
+    parser.add_argument("--warmup-stage-steps", type=int, default=CompressionBench.warmup_stage_steps)
+    parser.add_argument("--no-timing", action="store_true", help="skip the shm timing run")
+    parser.add_argument("--out", default=None)
+
+
+def main(args) -> None:
+    cfg = CompressionBench(
+        model=args.model,
+        steps=args.steps,
+        batch=args.batch,
+        seq=args.seq,
+        warmup_stage_steps=args.warmup_stage_steps,
+    )
+    run(cfg, args.out, timing=not args.no_timing)
