@@ -64,12 +64,17 @@ def main(argv=None) -> None:
     ddp.add_argument("--out", default=None)
     ddp.add_argument("--no-plot", action="store_true")
     sub.add_parser("large_batch", help="batches B..64B: Adam linear/sqrt scaling vs LAMB", add_help=False)
+    from . import compression as compression_bench  # its own arguments and main
+
+    compression_bench.add_parser(sub)
     args, rest = parser.parse_known_args(argv)
     if args.bench == "large_batch":  # its own options: python -m minidist.bench large_batch --help
         from . import large_batch as bench
 
         return bench.main(rest)
     args = parser.parse_args(argv)
+    if args.bench == "compression":
+        return compression_bench.main(args)
     if args.bench == "ddp":
         from . import ddp as bench
 
