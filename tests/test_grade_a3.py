@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -132,3 +133,54 @@ def test_the_examples_and_the_stub_get_their_scores(tmp_path):
     assert "which is wrong" in (out / "carol" / "feedback.md").read_text()
     assert "minidist.DistributedDataParallel" in book["frank"]["reason"]
     assert float(book["alice"]["similarity"]) < similarity.FLAG_AT
+
+
+GUARD_PROBE = """
+import enum
+
+import torch
+
+import minidist as md
+from grader import guard
+from grader.a3_ddp import rules
+
+
+class OneRank:  # enough of a communicator for a 1-rank allreduce, which sends nothing
+    rank, world_size, name = 0, 1, "pipe"
+
+    def send(self, *args):
+        raise AssertionError("a 1-rank allreduce sends nothing")
+
+
+guard.install_rules(rules)
+guard.install(("forbidden_demo",), (), "nothing")  # a forbidden module that defines an Enum
+refused = []
+for make in (
+    lambda: md.DistributedDataParallel(torch.nn.Linear(2, 2), None),
+    lambda: torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2)),
+    lambda: __import__("forbidden_demo").helper(),
+):
+    try:
+        make()
+    except PermissionError as error:
+        refused.append(guard.MARKER in str(error))
+assert refused == [True, True, True], refused
+# the module's Enum inherits enum.Enum.__new__, shared by every Enum: it must stay untouched
+assert enum.Enum("Colour", "RED").RED.name == "RED"
+ones = torch.ones(3)
+assert md.allreduce(OneRank(), ones, op="sum", async_op=True).wait() is ones  # allowed, still works
+print("ok")
+"""
+
+
+def test_the_run_time_guard_refuses_both_ddps_and_leaves_the_rest_alone(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(GUARD_PROBE)
+    (tmp_path / "forbidden_demo.py").write_text(
+        "import enum\n\n\nclass Mode(enum.Enum):\n    A = 1\n\n\ndef helper():\n    return Mode.A\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
+    result = subprocess.run(
+        [sys.executable, str(probe)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
