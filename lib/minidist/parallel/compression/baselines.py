@@ -84,7 +84,7 @@ def sign_decompress_sum(gathered: torch.Tensor, numel: int) -> torch.Tensor:
     """The sum over ranks (in rank order) of scale_r * sign_r; ``gathered`` is (N, 4 + ceil(n/8))."""
     total = torch.zeros(numel, dtype=torch.float32, device=gathered.device)
     for message in gathered:
-        scale = message[:4].view(torch.float32)
+        scale = message[:4].clone().view(torch.float32)  # rows of odd length: realign
         total.add_(unpack_signs(message[4:], numel) * scale)
     return total
 

@@ -145,6 +145,30 @@ def clip_local(grad: torch.Tensor, clip_norm: float, world_size: int) -> torch.T
     return grad.clone()
 
 
+def sampled_threshold(
+    magnitude: torch.Tensor,
+    k: int,
+    sample_ratio: float,
+    generator: torch.Generator | None,
+    min_sample: int = 256,
+) -> torch.Tensor:
+    """An estimate of the k-th largest entry of ``magnitude`` (>= 0) from a random sample.
+
+    Sample s = max(min_sample, sample_ratio * n) entries (with replacement; all of them,
+    in order, if s >= n) and return the ceil(s * k / n)-th largest sample: about k of
+    the n entries lie at or above it (its share above is Beta-distributed with mean
+    about k / n and relative spread about 1 / sqrt(s * k / n)).
+    """
+    n = magnitude.numel()
+    size = min(n, max(min_sample, math.ceil(sample_ratio * n)))
+    if size >= n:
+        sample = magnitude
+    else:
+        sample = magnitude[torch.randint(n, (size,), generator=generator, device=magnitude.device)]
+    k_sample = max(1, math.ceil(sample.numel() * k / n))
+    return torch.topk(sample, k_sample, sorted=False).values.min()
+
+
 def select_indices(
     values: torch.Tensor,
     k: int,
@@ -166,13 +190,7 @@ def select_indices(
     if k >= n:
         return torch.arange(n, device=values.device)
     magnitude = values.abs()
-    size = min(n, max(min_sample, math.ceil(sample_ratio * n)))
-    if size >= n:
-        sample = magnitude
-    else:
-        sample = magnitude[torch.randint(n, (size,), generator=generator, device=values.device)]
-    k_sample = max(1, math.ceil(sample.numel() * k / n))
-    threshold = torch.topk(sample, k_sample, sorted=False).values.min()
+    threshold = sampled_threshold(magnitude, k, sample_ratio, generator, min_sample)
     chosen = (magnitude >= threshold).nonzero().flatten()
     if chosen.numel() > k:  # the estimate was low: re-threshold among the chosen
         chosen = chosen[torch.topk(magnitude[chosen], k, sorted=False).indices]
@@ -304,6 +322,7 @@ __all__ = [
     "select_indices",
     "slots_for",
     "sparsity_at",
+    "sampled_threshold",
     "sum_sparse",
     "unpack",
 ]
