@@ -287,3 +287,14 @@ def allgather_mean_hook(comm, flat_grad: torch.Tensor, bucket_index: int) -> _Me
 
 def train_ddp_allgather_hook(comm, cfg: dict) -> dict:
     return train_ddp(comm, cfg, comm_hook=allgather_mean_hook)
+
+
+def average_buckets(comm, algorithm: str) -> list[torch.Tensor]:
+    """allreduce_average of three rank-dependent buckets (an odd length, so ring chunks
+    differ in size), each issued before the previous one is waited for."""
+    works = []
+    for index, numel in enumerate((7, 1000, 33)):
+        gen = torch.Generator().manual_seed(100 * index + comm.rank)
+        flat = torch.randn(numel, generator=gen)
+        works.append(allreduce_average(comm, flat, index, algorithm=algorithm))
+    return [work.wait(timeout=30) for work in works]

@@ -234,8 +234,38 @@ def test_ddp_bench_smoke(tmp_path, capsys):
     assert rows["after backward"]["bytes_per_step"] == ring and rows["overlap"]["bytes_per_step"] == ring
     assert rows["after backward"]["buckets"] == 1 < rows["overlap"]["buckets"]
     assert rows["after backward"]["overlap"] == 0.0
-    assert (tmp_path / "ddp_tiny_p2.json").exists()
+    for label in ("overlap", "overlap (10G)"):  # >= 1: perfect overlap never makes a step slower
+        assert rows[label]["bound"] >= 1.0 and 0 < rows[label]["last_bucket_share"] <= 1
+    assert rows["torch DDP"]["step_s"] == rows["overlap"]["torch_step_s"]  # same launch, same reference
+    assert (tmp_path / "ddp_tiny_p2_b1.json").exists()
     assert "x torch" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("transport, algorithm", [("shm", "auto"), ("pipe", "ring"), ("pipe", "auto")])
+def test_allreduce_average_is_the_mean_of_every_rank(transport, algorithm):
+    """The default hook divides inside the collective (op="avg"): wait() returns exactly
+    the mean of the ranks' buffers, computed here in one process -- divided once, not twice."""
+    outs = md.launch(w.average_buckets, 3, args=(algorithm,), transport=transport, timeout=60)
+    for index, numel in enumerate((7, 1000, 33)):
+        ranks = [
+            torch.randn(numel, generator=torch.Generator().manual_seed(100 * index + r)) for r in range(3)
+        ]
+        want = torch.stack(ranks).sum(0) / 3
+        for out in outs:
+            torch.testing.assert_close(out[index], want, rtol=1e-6, atol=1e-6)
+
+
+def test_overlap_bound_formula():
+    """The bench's bound: after-backward step 100 ms with B = 40, C = 30; the last bucket
+    holds half the bytes, so 15 ms of C can never hide: best step 100 - 70 + max(55, 30) = 85."""
+    from minidist.bench.ddp import overlap_bound
+
+    after = {"step_s": 0.100, "backward_ms": 40.0, "comm_ms_per_step": 30.0}
+    step_bound, bc_bound = overlap_bound(after, 0.5)
+    assert step_bound == pytest.approx(100 / 85)
+    assert bc_bound == pytest.approx(70 / 40)
+    slow_link = {"step_s": 0.200, "backward_ms": 40.0, "comm_ms_per_step": 80.0}  # C > B + C/4: C bounds
+    assert overlap_bound(slow_link, 0.25)[0] == pytest.approx(200 / (200 - 120 + 80))
 
 
 def test_a_comm_hook_that_returns_a_new_tensor():
