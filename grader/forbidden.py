@@ -123,6 +123,7 @@ class _Checker:
         self.aliases: dict[str, str] = {}  # local name -> the dotted name it was imported as
         self.refusals: list[Refusal] = []
         self.own: set[int] = set()  # ids of the ``self``/``cls`` names that are the submission's own
+        self.super_is_builtin = True  # False when the file binds the name ``super`` itself
 
     def refuse(self, node: ast.AST, what: str, why: str) -> None:
         self.refusals.append(Refusal(getattr(node, "lineno", 0), what, why))
@@ -200,6 +201,7 @@ class _Checker:
             attr.startswith("_")
             and id(node.value) not in self.own
             and self._dotted(node) not in PUBLIC_PRIVATE
+            and not (attr == "__init__" and self.super_is_builtin and _is_super_call(node.value))
         ):
             self.refuse(node, ast.unparse(node), "a private attribute of an object that is not yours")
         self._check_reference(node)
@@ -235,6 +237,33 @@ class _Checker:
                 if name in node.value:
                     self.refuse(node, repr(node.value)[:60], f"the string names {name}, which is forbidden")
                     return
+
+
+def _binds_name(tree: ast.Module, name: str) -> bool:
+    """Whether ``tree`` assigns, defines, imports or takes as a parameter the name ``name``."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == name and not isinstance(node.ctx, ast.Load):
+            return True
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            return True
+        if isinstance(node, ast.arg) and node.arg == name:
+            return True
+        if isinstance(node, ast.alias) and (node.asname or node.name.split(".")[0]) == name:
+            return True
+    return False
+
+
+def _is_super_call(node: ast.expr) -> bool:
+    """``super()`` (no arguments): ``super().__init__(...)`` initialises the submission's own
+    subclass (an ``nn.Module``, say); ``__init__`` on any other object could re-initialise
+    something the grader owns."""
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "super"
+        and not node.args
+        and not node.keywords
+    )
 
 
 def _is_literal_attribute_call(node: ast.Call) -> bool:
@@ -289,6 +318,7 @@ def check(source: str | bytes, rules: Rules, filename: str = "<submission>") -> 
     tree = ast.parse(source, filename=filename)
     checker = _Checker(rules)
     checker.own = _own_receivers(tree)
+    checker.super_is_builtin = not _binds_name(tree, "super")
     # imports first, wherever they are, so that every use of an imported name is resolved
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

@@ -167,6 +167,10 @@ REFUSED = {  # source -> what the refusal must name
     "import operator\n": "operator",
     "def f(g):\n    return g.__globals__\n": "__globals__",
     "text = open('/etc/passwd').read()\n": "open",
+    # __init__ of anything but the submission's own super(): it could re-initialise the grader's objects
+    "def f(comm):\n    comm.__init__(None)\n": "comm.__init__",
+    "def super():\n    return 0\nclass A:\n    def __init__(self):\n        super().__init__()\n": "__init__",
+    "class A:\n    def m(self, super):\n        super().__init__()\n": "__init__",
 }
 ALLOWED = [
     "import os\nos._exit(0)\n",
@@ -174,6 +178,7 @@ ALLOWED = [
     "def f(comm, t):\n    comm.send(t, 1)\n    comm.recv(t, 1)\n    comm.barrier()\n    return comm.stats\n",
     "class Ring:\n    def __init__(self):\n        self._chunks = []\n",
     "class Ring:\n    def size(self):\n        return len(self._chunks)\n",
+    "import torch\nclass Net(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n",
     "def f(comm):\n    return getattr(comm, 'rank')\n",
     '"""Docstrings may say minidist.collectives.ring; they are prose."""\n',
     # another module's import of a library function: the intake cannot resolve it, the guard's job
