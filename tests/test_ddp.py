@@ -235,7 +235,7 @@ def test_ddp_bench_smoke(tmp_path, capsys):
     assert rows["after backward"]["buckets"] == 1 < rows["overlap"]["buckets"]
     assert rows["after backward"]["overlap"] == 0.0
     for label in ("overlap", "overlap (10G)"):  # >= 1: perfect overlap never makes a step slower
-        assert rows[label]["bound"] >= 1.0 and 0 < rows[label]["last_bucket_share"] <= 1
+        assert rows[label]["bound"] >= 1.0 and 0 < rows[label]["tail_share"] <= 1
     assert rows["torch DDP"]["step_s"] == rows["overlap"]["torch_step_s"]  # same launch, same reference
     assert (tmp_path / "ddp_tiny_p2_b1.json").exists()
     assert "x torch" in capsys.readouterr().out
