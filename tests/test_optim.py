@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -272,3 +273,74 @@ def test_bad_hyperparameters_are_refused():
         LARS(w, momentum=1.5)
     with pytest.raises(ValueError, match="weight_decay"):
         param_groups(nn.Linear(2, 2), -1.0)
+
+
+# --- the large-batch experiment -----------------------------------------------------------------
+from minidist.optim import large_batch as lb  # noqa: E402
+
+SMALL = lb.LargeBatchConfig(base_batch=8, multipliers=(1, 4), samples=256, micro_batch=16, eval_points=4)
+
+
+def test_accumulated_gradient_equals_one_big_batch():
+    problem = lb.make_problem(SMALL)
+    x, y = problem.train_x[:96], problem.train_y[:96]
+    whole, pieces = lb.make_model(SMALL), lb.make_model(SMALL)
+    loss_whole = lb.accumulate_gradients(whole, x, y, micro_batch=96)  # one backward
+    loss_pieces = lb.accumulate_gradients(pieces, x, y, micro_batch=20)  # 20+20+20+20+16: unequal pieces
+    assert loss_pieces == pytest.approx(loss_whole, rel=1e-6)
+    for a, b in zip(whole.parameters(), pieces.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
+    unweighted = lb.make_model(SMALL)  # what forgetting the N_i/N weights would give: k times too large
+    for start in range(0, 96, 24):
+        nn.functional.cross_entropy(unweighted(x[start : start + 24]), y[start : start + 24]).backward()
+    assert not torch.allclose(unweighted[0].weight.grad, whole[0].weight.grad)
+
+
+@pytest.mark.timeout(120)
+def test_accumulation_is_the_computation_of_data_parallel():
+    import minidist as md
+    import optim_workers
+
+    batch = 64
+    ranks = md.launch(optim_workers.ddp_gradients, 2, args=(SMALL, batch), transport="shm", timeout=90.0)
+    problem = lb.make_problem(SMALL)
+    model = lb.make_model(SMALL)
+    lb.accumulate_gradients(model, problem.train_x[:batch], problem.train_y[:batch], micro_batch=batch // 2)
+    for grads in ranks:
+        for ddp_grad, p in zip(grads, model.parameters()):
+            torch.testing.assert_close(ddp_grad, p.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_experiment_runs_every_method_and_batch_on_the_same_samples():
+    results = lb.run_experiment(SMALL)
+    assert [(r.method, r.batch) for r in results] == [(m, b) for m in lb.METHODS for b in (8, 32)]
+    for r in results:
+        assert r.steps == 256 // r.batch
+        assert r.samples == [0, 64, 128, 192, 256]  # evaluated at the same sample counts
+        assert r.eval_loss[0] == pytest.approx(results[0].eval_loss[0])  # the same initial model
+        assert len(r.train_loss) == r.steps
+        assert r.eval_loss[-1] < r.eval_loss[0]  # it learned something
+        base_lr = SMALL.lamb_lr if r.method == "lamb" else SMALL.adam_lr
+        k = r.batch / SMALL.base_batch
+        expected = base_lr * (k if r.method == "adam-linear" else math.sqrt(k))
+        assert r.lr == pytest.approx(expected)
+    # at k = 1 the two Adam rules are one run
+    assert results[0].eval_loss == results[2].eval_loss and results[0].method == "adam-linear"
+    rows = lb.summary_rows(results)
+    assert rows[0][:4] == ["adam-linear", 8, SMALL.adam_lr, 32]
+
+
+def test_experiment_config_refuses_misaligned_evaluations():
+    with pytest.raises(ValueError, match="multiple"):
+        lb.LargeBatchConfig(base_batch=32, samples=1000)
+    with pytest.raises(ValueError, match="unknown methods"):
+        lb.LargeBatchConfig(methods=("sgd",))
+
+
+def test_plot_draws_a_line_per_run():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    results = lb.run_experiment(dataclasses.replace(SMALL, methods=("adam-sqrt",)))
+    fig = lb.plot(results)
+    assert len(fig.axes[0].lines) == len(results) == 2
