@@ -84,6 +84,10 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m minidist.bench large_batch", description=__doc__)
     parser.add_argument("--base-batch", type=int, default=defaults.base_batch)
     parser.add_argument("--samples", type=int, default=defaults.samples, help="samples per run")
+    parser.add_argument("--multipliers", type=int, nargs="+", default=list(defaults.multipliers))
+    parser.add_argument(
+        "--warmup", type=float, default=defaults.warmup_fraction, help="warm-up share of samples"
+    )
     parser.add_argument("--methods", nargs="+", default=list(defaults.methods), choices=lb.METHODS)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1; 0: leave as is)")
     parser.add_argument("--amp", action="store_true", help="also measure bf16/fp16 mixed precision on BERT")
@@ -93,7 +97,12 @@ def main(argv=None) -> None:
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     cfg = dataclasses.replace(
-        defaults, base_batch=args.base_batch, samples=args.samples, methods=tuple(args.methods)
+        defaults,
+        base_batch=args.base_batch,
+        samples=args.samples,
+        methods=tuple(args.methods),
+        multipliers=tuple(args.multipliers),
+        warmup_fraction=args.warmup,
     )
     run(cfg, args.threads or None, args.out, not args.no_plot)
     if args.amp:

@@ -255,7 +255,7 @@ def summary_rows(results: list[RunResult]) -> list[list]:
 
 
 def plot(results: list[RunResult], axes=None):
-    """Held-out loss vs samples (left) and vs steps (right, log scale), one colour per batch size.
+    """Held-out loss (log scale) vs samples (left) and vs steps (right, log), one colour per batch size.
 
     Line style per method: solid adam-linear, dashed adam-sqrt, dotted lamb. Returns the figure.
     """
@@ -277,6 +277,7 @@ def plot(results: list[RunResult], axes=None):
     axes[1].set_xscale("symlog", linthresh=1)
     for ax in axes:
         ax.set_ylabel("held-out loss")
+        ax.set_yscale("log")  # a diverging run spikes to ~10 while the others end near 0.1
     axes[1].legend(fontsize=7, ncol=3)
     fig.tight_layout()
     return fig
