@@ -133,7 +133,8 @@ def slots_for(numel: int, sparsity: float) -> int:
 
 
 def clip_local(grad: torch.Tensor, clip_norm: float, world_size: int) -> torch.Tensor:
-    """``grad`` scaled down to L2 norm ``clip_norm / sqrt(world_size)`` if longer (a new tensor).
+    """``grad`` scaled down to L2 norm ``clip_norm / sqrt(world_size)`` if longer (a new
+    tensor then; ``grad`` itself, unmodified, when it is short enough).
 
     Why N^-1/2: the sum of N independent local gradients of norm c has norm about
     c sqrt(N), so clipping each at c / sqrt(N) clips the sum at about c.
@@ -142,7 +143,7 @@ def clip_local(grad: torch.Tensor, clip_norm: float, world_size: int) -> torch.T
     norm = torch.linalg.vector_norm(grad)
     if norm > threshold:
         return grad * (threshold / norm)
-    return grad.clone()
+    return grad
 
 
 def sampled_threshold(
@@ -244,10 +245,11 @@ def unpack(payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return payload[k:].long(), payload[:k].view(torch.float32)
 
 
-def sum_sparse(gathered: torch.Tensor, numel: int) -> torch.Tensor:
+def sum_sparse(gathered: torch.Tensor, numel: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The dense sum of every rank's sparse vector; ``gathered`` is (N, 2k), row r rank r's payload.
-    Ranks are added in rank order, so every rank computes the same floats."""
-    dense = torch.zeros(numel, dtype=torch.float32, device=gathered.device)
+    Ranks are added in rank order, so every rank computes the same floats. ``out``: a float32
+    vector of ``numel`` entries to overwrite (saves an allocation), else a new one."""
+    dense = torch.zeros(numel, dtype=torch.float32, device=gathered.device) if out is None else out.zero_()
     for payload in gathered:
         indices, values = unpack(payload)
         dense.index_add_(0, indices, values)
@@ -255,10 +257,11 @@ def sum_sparse(gathered: torch.Tensor, numel: int) -> torch.Tensor:
 
 
 class SparseAllgatherWork:
-    """Handle of a DGC bucket in flight: ``wait()`` = sum of the gathered sparse vectors / N."""
+    """Handle of a DGC bucket in flight: ``wait()`` = sum of the gathered sparse vectors / N,
+    written into ``out`` (the bucket: its gradient is already in the DGC state)."""
 
-    def __init__(self, work, numel: int, world_size: int) -> None:
-        self.work, self.numel, self.world_size = work, numel, world_size
+    def __init__(self, work, out: torch.Tensor, world_size: int) -> None:
+        self.work, self.out, self.world_size = work, out, world_size
         self._result: torch.Tensor | None = None
 
     def is_completed(self) -> bool:
@@ -267,7 +270,7 @@ class SparseAllgatherWork:
     def wait(self, timeout: float | None = None) -> torch.Tensor:
         if self._result is None:
             gathered = self.work.wait(timeout)
-            self._result = sum_sparse(gathered, self.numel).div_(self.world_size)
+            self._result = sum_sparse(gathered, self.out.numel(), self.out).div_(self.world_size)
         return self._result
 
 
@@ -307,7 +310,7 @@ class DeepGradientCompression:
         indices, values = compress_step(state, flat_grad, self.config, comm.world_size, self.generator)
         self.slots[bucket_index], self.selected[bucket_index] = k, indices.numel()
         work = allgather(comm, pack(indices, values, k), async_op=True)
-        return SparseAllgatherWork(work, flat_grad.numel(), comm.world_size)
+        return SparseAllgatherWork(work, flat_grad, comm.world_size)
 
 
 __all__ = [
