@@ -252,3 +252,20 @@ def test_dgc_with_every_component_keeps_the_ranks_identical_and_differs_from_den
         assert torch.equal(outs[0][name], outs[1][name]), name
     dense = cw.train_single_sgd(cfg, momentum=0.9)
     assert not torch.allclose(outs[0]["hidden.weight"], dense["hidden.weight"], atol=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_bench_experiment_counts_bert_bytes_against_the_formulas():
+    """The bench's experiment on BERT tiny, 3 steps, 2 ranks (no timing run): measured bytes per
+    step equal the formulas, and DGC at 99.9% sends >= 100x fewer bytes than dense."""
+    from minidist.bench import compression as bench
+
+    cfg = bench.CompressionBench(batch=2, seq=16, steps=3, warmup_stage_steps=0, loss_window=2)
+    rows = (bench.ROWS[0], bench.ROWS[1], bench.ROWS[-1])  # dense, DGC, sign EF
+    result = bench.compare_hooks(cfg, rows=rows, timing=False)
+    by_label = {r["label"]: r for r in result["rows"]}
+    for r in result["rows"]:
+        assert r["bytes_per_step"] == pytest.approx(r["formula_bytes"]), r["label"]
+        assert math.isfinite(r["loss"])
+    assert by_label["DGC"]["ratio"] >= 100
+    assert by_label["dense"]["formula_bytes"] == traffic.dense_ring_bytes(result["numel"], 2)
