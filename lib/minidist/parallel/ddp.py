@@ -19,8 +19,8 @@ How the communication hides behind backward (``overlap=True``)::
 1. A ``register_post_accumulate_grad_hook`` on every parameter fires when its
    gradient is final for this backward. It copies the gradient into the
    parameter's slice of its bucket (``buckets.py``) and counts the bucket down.
-2. When a bucket's count reaches zero its ``comm_hook`` (default: async sum
-   allreduce, then / world_size) is launched on the communicator's
+2. When a bucket's count reaches zero its ``comm_hook`` (default: async
+   allreduce with ``op="avg"``, the division included) is launched on the communicator's
    communication thread -- *in bucket order*: bucket k starts only after buckets
    0..k-1 have started. Collectives must be issued in the same order on every
    rank, and autograd's order may differ between ranks; bucket order never does.
