@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from minidist.bench.large_batch import bert_batches, bert_factory
 from minidist.optim import DynamicLossScaler, amp
 
 BF16_TOLERANCE = 0.02  # largest |loss_bf16 - loss_fp32| over the first steps of BERT tiny (loss ~9)
@@ -23,9 +24,8 @@ def _one_thread():
 
 
 def test_bf16_autocast_loss_curve_stays_within_tolerance_of_fp32():
-    curves = amp.loss_curves(
-        model="tiny", batch=4, seq=16, steps=4, precisions=("fp32", "bf16"), source="random"
-    )
+    batches = bert_batches(4, 16, 4, source="random")
+    curves = amp.loss_curves(bert_factory("tiny"), batches, precisions=("fp32", "bf16"))
     gaps = [abs(a - b) for a, b in zip(curves["fp32"], curves["bf16"])]
     assert max(gaps) < BF16_TOLERANCE, gaps
     assert curves["fp32"] != curves["bf16"]  # autocast did change the arithmetic
@@ -159,9 +159,8 @@ def test_fp16_overflow_in_the_half_model_skips_the_master_step():
 
 
 def test_fp16_bert_loss_curve_stays_within_tolerance_of_fp32():
-    curves = amp.loss_curves(
-        model="tiny", batch=2, seq=16, steps=3, precisions=("fp32", "fp16"), source="random"
-    )
+    batches = bert_batches(2, 16, 3, source="random")
+    curves = amp.loss_curves(bert_factory("tiny"), batches, precisions=("fp32", "fp16"))
     gaps = [abs(a - b) for a, b in zip(curves["fp32"], curves["fp16"])]
     assert max(gaps) < FP16_TOLERANCE, gaps
 
@@ -172,7 +171,7 @@ def test_state_bytes_match_the_per_parameter_formula():
     model = bert.BertForMLM(bert.CONFIGS["tiny"])
     n = bert.mlm_parameter_count(bert.CONFIGS["tiny"])
     steps = 4 * len(list(model.parameters()))  # AdamW keeps a 4-byte step counter per tensor
-    measured = amp.state_bytes("tiny")
+    measured = amp.state_bytes(bert_factory("tiny"), bert_batches(2, 16, 1, source="random")[0])
     for precision in ("fp32", "bf16 autocast"):  # autocast keeps weights, grads and moments in fp32
         assert measured[precision] == {
             "params": 4 * n,
@@ -190,7 +189,7 @@ def test_cuda_fp16_master_weights_track_fp32_and_skip_overflows():
         pytest.skip("needs CUDA")
     from minidist.models import bert
 
-    batches = amp.bert_batches(8, 32, 6, source="random")
+    batches = bert_batches(8, 32, 6, source="random")
     torch.manual_seed(0)
     fp32 = bert.BertForMLM(bert.CONFIGS["tiny"]).cuda()
     torch.manual_seed(0)

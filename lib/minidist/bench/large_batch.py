@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 
+import torch
+from torch import nn
+
+from minidist.optim import amp
 from minidist.optim import large_batch as lb
 
 from ._util import new_figure, out_dir, print_table, save_json
@@ -56,24 +61,78 @@ def run(cfg: lb.LargeBatchConfig, threads: int | None, out: str | None, plot: bo
     return results
 
 
-def run_amp(model: str, batch: int, seq: int, steps: int, out: str | None) -> dict:
-    from minidist.optim import amp
+def bert_factory(model: str = "tiny", seed: int = 0) -> Callable[[], nn.Module]:
+    """A function that builds ``BertForMLM(bert.CONFIGS[model])`` with the same weights every call."""
+    from minidist.models import bert
 
-    speed = amp.step_time(model=model, batch=batch, seq=seq, steps=steps)
+    if model not in bert.CONFIGS:
+        raise ValueError(f"unknown BERT config {model!r}: use one of {sorted(bert.CONFIGS)}")
+
+    def make() -> nn.Module:
+        torch.manual_seed(seed)
+        return bert.BertForMLM(bert.CONFIGS[model])
+
+    return make
+
+
+def bert_batches(
+    batch: int, seq: int, steps: int, seed: int = 0, source: str = "course"
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` masked batches (input_ids, labels) of ``batch`` x ``seq`` tokens.
+
+    ``source="course"``: the course's 128-token train blocks (``minidist.data.mlm_dataset``)
+    cut to their first ``seq`` tokens, masked by ``mask_tokens`` (loads the tokenizer, ~3 s).
+    ``source="random"``: uniform random token ids after a [CLS], 15% of positions replaced by
+    [MASK] and labelled -- no tokenizer, for tests that only need the arithmetic.
+    """
+    from minidist.models import bert
+
+    if not 2 <= seq <= 128:
+        raise ValueError(f"seq must be in [2, 128] (BERT's course configs have 128 positions), got {seq}")
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    if source == "random":
+        for _ in range(steps):
+            ids = torch.randint(5, bert.COURSE_VOCAB, (batch, seq), generator=gen)
+            ids[:, 0] = 2  # [CLS]
+            chosen = torch.rand(batch, seq, generator=gen) < 0.15
+            chosen[:, 0] = False
+            chosen[0, 1] = True  # at least one label per batch
+            labels = torch.where(chosen, ids, torch.full_like(ids, bert.IGNORE_INDEX))
+            out.append((ids.masked_fill(chosen, 4), labels))  # 4 = [MASK]
+        return out
+    if source != "course":
+        raise ValueError(f"unknown source {source!r}: use 'course' or 'random'")
+    from minidist import data
+
+    tok = data.load_tokenizer()
+    blocks = data.mlm_dataset(tok, 128, "train")
+    for _ in range(steps):
+        rows = torch.randint(len(blocks), (batch,), generator=gen)
+        out.append(tuple(data.mask_tokens(blocks[rows, :seq], tok, gen)))
+    return out
+
+
+def run_amp(model: str, batch: int, seq: int, steps: int, out: str | None) -> dict:
+    """BERT ``model``: step time per precision, state bytes per precision, bf16 vs fp32 loss curves."""
+    make = bert_factory(model)
+    batches = bert_batches(batch, seq, steps)
+    speed = amp.step_time(make, batches[0], steps=steps)
     print_table(
         ["precision", "seconds / step", "vs fp32"],
         [[name, f"{s:.4f}", f"{s / speed['fp32']:.2f}x"] for name, s in speed.items()],
         title=f"BERT {model} training step on the CPU, batch {batch} x {seq} tokens (fastest of {steps})",
     )
-    memory = amp.state_bytes(model=model)
+    memory = amp.state_bytes(make, batches[0])
     print_table(
         ["precision", "params", "grads", "optimizer", "total"],
         [[name, *(f"{v / 2**20:.2f} MiB" for v in parts.values())] for name, parts in memory.items()],
-        title=f"bytes held by the BERT {model} training state (Adam), measured from the tensors",
+        title=f"bytes held by the BERT {model} training state (AdamW), measured from the tensors",
     )
-    curves = amp.loss_curves(model=model, batch=batch, seq=seq, steps=steps)
-    gap = max(abs(a - b) for a, b in zip(curves["fp32"], curves["bf16"]))
-    print(f"bf16 vs fp32 loss over {steps} steps: largest gap {gap:.4f}", flush=True)
+    curves = amp.loss_curves(make, batches, precisions=("fp32", "bf16", "fp16"))
+    for name in ("bf16", "fp16"):
+        gap = max(abs(a - b) for a, b in zip(curves["fp32"], curves[name]))
+        print(f"{name} vs fp32 loss over {steps} steps: largest gap {gap:.4f}", flush=True)
     result = {"step_seconds": speed, "state_bytes": memory, "loss_curves": curves}
     save_json(out_dir(out), "mixed_precision", result)
     return result

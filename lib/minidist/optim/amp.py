@@ -23,6 +23,9 @@ fp16 with fp32 master weights (Micikevicius et al., 2018), ``Fp16MasterWeights``
     (1 + 1e-4 == 1 in fp16), and it does not in fp32. Gradients are copied to fp32 before
     they are unscaled, so dividing by S cannot underflow. ``DynamicLossScaler`` picks S.
 
+The functions here take the model as a factory and the data as batches (layer 4 knows no
+BERT); ``minidist.bench.large_batch`` runs them on BERT (``bert_factory``, ``bert_batches``).
+
 Memory per parameter with Adam (bytes; measured by ``state_bytes``):
 
     fp32 / bf16 autocast   params 4   grads 4       Adam 8   = 16
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -44,7 +47,7 @@ from minidist.optim.loss_scaling import DynamicLossScaler
 __all__ = [
     "PRECISIONS",
     "Fp16MasterWeights",
-    "bert_batches",
+    "default_loss",
     "loss_curves",
     "state_bytes",
     "step_time",
@@ -106,91 +109,48 @@ def _optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(tensor_bytes(v for v in s.values() if torch.is_tensor(v)) for s in optimizer.state.values())
 
 
-def bert_batches(
-    batch: int, seq: int, steps: int, seed: int = 0, source: str = "course"
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """``steps`` masked batches (input_ids, labels) of ``batch`` x ``seq`` tokens.
-
-    ``source="course"``: the course's 128-token train blocks (``minidist.data.mlm_dataset``)
-    cut to their first ``seq`` tokens, masked by ``mask_tokens`` (loads the tokenizer, ~3 s).
-    ``source="random"``: uniform random token ids after a [CLS], 15% of positions replaced by
-    [MASK] and labelled -- no tokenizer, for tests that only need the arithmetic.
-    """
-    if not 2 <= seq <= 128:
-        raise ValueError(f"seq must be in [2, 128] (BERT's course configs have 128 positions), got {seq}")
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    if source == "random":
-        from minidist.models import bert
-
-        for _ in range(steps):
-            ids = torch.randint(5, bert.COURSE_VOCAB, (batch, seq), generator=gen)
-            ids[:, 0] = 2  # [CLS]
-            chosen = torch.rand(batch, seq, generator=gen) < 0.15
-            chosen[:, 0] = False
-            chosen[0, 1] = True  # at least one label per batch
-            labels = torch.where(chosen, ids, torch.full_like(ids, bert.IGNORE_INDEX))
-            out.append((ids.masked_fill(chosen, 4), labels))  # 4 = [MASK]
-        return out
-    if source != "course":
-        raise ValueError(f"unknown source {source!r}: use 'course' or 'random'")
-    from minidist import data
-
-    tok = data.load_tokenizer()
-    blocks = data.mlm_dataset(tok, 128, "train")
-    for _ in range(steps):
-        rows = torch.randint(len(blocks), (batch,), generator=gen)
-        out.append(tuple(data.mask_tokens(blocks[rows, :seq], tok, gen)))
-    return out
+def default_loss(model: nn.Module, batch) -> torch.Tensor:
+    """``model(inputs, labels=labels).loss`` for ``batch = (inputs, labels)`` (BERT, the decoder)."""
+    inputs, labels = batch
+    return model(inputs, labels=labels).loss
 
 
-def _bert(model: str, seed: int) -> nn.Module:
-    from minidist.models import bert
-
-    torch.manual_seed(seed)
-    return bert.BertForMLM(bert.CONFIGS[model])
-
-
-def _adamw(module: nn.Module, lr: float) -> torch.optim.Optimizer:
+def _default_optimizer(module: nn.Module, lr: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(param_groups(module, 0.01), lr=lr)
 
 
 def loss_curves(
-    model: str = "tiny",
-    batch: int = 8,
-    seq: int = 32,
-    steps: int = 10,
+    make_model: Callable[[], nn.Module],
+    batches: Sequence,
     lr: float = 1e-3,
     precisions: tuple[str, ...] = ("fp32", "bf16"),
-    seed: int = 0,
-    source: str = "course",
+    loss_fn: Callable[[nn.Module, object], torch.Tensor] = default_loss,
 ) -> dict[str, list[float]]:
-    """Training loss per step of BERT ``model`` from the same initial weights and batches, per precision.
+    """Training loss per step, per precision, from the same initial weights on the same ``batches``.
 
+    ``make_model()`` must return a fresh fp32 model with the same weights every call (seed it).
     "fp32": plain; "bf16": forward and loss under ``torch.autocast("cpu", torch.bfloat16)``,
-    fp32 weights and optimiser; "fp16": ``Fp16MasterWeights`` with a ``DynamicLossScaler``.
-    AdamW, weight decay 0.01 on matrices (``param_groups``), constant ``lr``. ``source``: see
-    ``bert_batches``.
+    fp32 weights and optimiser; "fp16": ``Fp16MasterWeights`` with ``DynamicLossScaler(2**12)``.
+    AdamW with weight decay 0.01 on matrices (``param_groups``), constant ``lr``.
     """
-    unknown = set(precisions) - set(PRECISIONS)
-    if unknown:
-        raise ValueError(f"unknown precisions {sorted(unknown)}: use some of {PRECISIONS}")
-    batches = bert_batches(batch, seq, steps, seed, source)
+    _check(precisions)
     curves: dict[str, list[float]] = {}
     for precision in precisions:
-        net = _bert(model, seed)
+        net = make_model()
         losses = []
         if precision == "fp16":
-            trainer = Fp16MasterWeights(net, lambda m: _adamw(m, lr), DynamicLossScaler(init_scale=2.0**12))
-            for input_ids, labels in batches:
-                loss = trainer.model(input_ids, labels=labels).loss
+            trainer = Fp16MasterWeights(
+                net, lambda m: _default_optimizer(m, lr), DynamicLossScaler(init_scale=2.0**12)
+            )
+            for batch in batches:
+                loss = loss_fn(trainer.model, batch)
                 trainer.backward_and_step(loss)
                 losses.append(loss.item())
         else:
-            optimizer = _adamw(net, lr)
-            for input_ids, labels in batches:
+            optimizer = _default_optimizer(net, lr)
+            for batch in batches:
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-                    loss = net(input_ids, labels=labels).loss
+                    loss = loss_fn(net, batch)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
@@ -199,63 +159,82 @@ def loss_curves(
     return curves
 
 
-def step_time(
-    model: str = "tiny", batch: int = 8, seq: int = 32, steps: int = 5, threads: int | None = 1
-) -> dict[str, float]:
-    """Fastest training-step time (seconds) of BERT ``model`` in fp32 and under bf16 autocast (and fp16).
+def _check(precisions) -> None:
+    unknown = set(precisions) - set(PRECISIONS)
+    if unknown:
+        raise ValueError(f"unknown precisions {sorted(unknown)}: use some of {PRECISIONS}")
 
-    The precisions alternate step by step, so a neighbour's load hits them alike; report ratios.
+
+def step_time(
+    make_model: Callable[[], nn.Module],
+    batch,
+    steps: int = 5,
+    precisions: tuple[str, ...] = PRECISIONS,
+    loss_fn: Callable[[nn.Module, object], torch.Tensor] = default_loss,
+    threads: int | None = 1,
+) -> dict[str, float]:
+    """Fastest training-step time (seconds) on ``batch`` per precision (forward, backward, AdamW step).
+
+    The precisions alternate step by step, so a neighbour's load hits them alike: read the
+    ratios. One warm-up round is not timed. ``threads`` torch threads (restored afterwards).
     """
+    _check(precisions)
     previous = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        (input_ids, labels), *_ = bert_batches(batch, seq, 1)
-        nets = {p: _bert(model, 0) for p in PRECISIONS}
-        optimizers = {p: _adamw(nets[p], 1e-4) for p in ("fp32", "bf16")}
-        fp16 = Fp16MasterWeights(nets["fp16"], lambda m: _adamw(m, 1e-4))
-        best = {p: float("inf") for p in PRECISIONS}
-        for _ in range(steps + 1):  # the first round warms up
-            for precision in PRECISIONS:
+        nets = {p: make_model() for p in precisions}
+        optimizers = {p: _default_optimizer(nets[p], 1e-4) for p in precisions if p != "fp16"}
+        fp16 = (
+            Fp16MasterWeights(nets["fp16"], lambda m: _default_optimizer(m, 1e-4))
+            if "fp16" in precisions
+            else None
+        )
+        best = {p: float("inf") for p in precisions}
+        for round_index in range(steps + 1):
+            for precision in precisions:
                 start = time.perf_counter()
-                if precision == "fp16":
-                    fp16.backward_and_step(fp16.model(input_ids, labels=labels).loss)
+                if fp16 is not None and precision == "fp16":
+                    fp16.backward_and_step(loss_fn(fp16.model, batch))
                 else:
                     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-                        loss = nets[precision](input_ids, labels=labels).loss
+                        loss = loss_fn(nets[precision], batch)
                     optimizers[precision].zero_grad(set_to_none=True)
                     loss.backward()
                     optimizers[precision].step()
-                seconds = time.perf_counter() - start
-                if _ > 0:
-                    best[precision] = min(best[precision], seconds)
+                if round_index > 0:
+                    best[precision] = min(best[precision], time.perf_counter() - start)
         return best
     finally:
         torch.set_num_threads(previous)
 
 
-def state_bytes(model: str = "tiny") -> dict[str, dict[str, int]]:
-    """Bytes of parameters, gradients and Adam state of BERT ``model`` after one step, per precision.
+def state_bytes(
+    make_model: Callable[[], nn.Module],
+    batch,
+    loss_fn: Callable[[nn.Module, object], torch.Tensor] = default_loss,
+) -> dict[str, dict[str, int]]:
+    """Bytes of parameters, gradients and AdamW state after one step on ``batch``, per precision.
 
-    Measured from the tensors that exist after a step, gradients still in place (for fp16: the
-    fp16 model's and the fp32 master's). Activations are not counted.
+    Measured from the tensors that exist after a step with the gradients still in place (for
+    fp16: the fp16 model's and the fp32 master's). Activations are not counted.
     """
-    (input_ids, labels), *_ = bert_batches(2, 16, 1, source="random")
     out = {}
     for precision in ("fp32", "bf16 autocast"):
-        net = _bert(model, 0)
-        optimizer = _adamw(net, 1e-4)
+        net = make_model()
+        optimizer = _default_optimizer(net, 1e-4)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32"):
-            loss = net(input_ids, labels=labels).loss
+            loss = loss_fn(net, batch)
         loss.backward()
         optimizer.step()
         params = list(net.parameters())
         out[precision] = _parts(tensor_bytes(params), tensor_bytes(p.grad for p in params), optimizer)
-    trainer = Fp16MasterWeights(_bert(model, 0), lambda m: _adamw(m, 1e-4), DynamicLossScaler(2.0**8))
-    loss = trainer.model(input_ids, labels=labels).loss
-    trainer.scaler.scale_loss(loss.float()).backward()
+    trainer = Fp16MasterWeights(
+        make_model(), lambda m: _default_optimizer(m, 1e-4), DynamicLossScaler(2.0**8)
+    )
+    trainer.scaler.scale_loss(loss_fn(trainer.model, batch).float()).backward()
     for half, master in trainer._pairs:  # the moment both gradient copies exist
-        master.grad = half.grad.float()
+        master.grad = None if half.grad is None else half.grad.float()
     grads = tensor_bytes(h.grad for h, _ in trainer._pairs) + tensor_bytes(m.grad for _, m in trainer._pairs)
     if not trainer.scaler.step(trainer.optimizer):
         raise RuntimeError("the fp16 step overflowed at loss scale 256: no optimiser state to measure")
