@@ -279,3 +279,42 @@ def expected_bytes(
     return {
         (f"worker {r}" if r < n_workers else f"server {r - n_workers}"): tuple(v) for r, v in traffic.items()
     }
+
+
+def push_pull_seconds(
+    numels: list[int],
+    architecture: str,
+    n_workers: int,
+    n_servers: int,
+    alpha_s: float,
+    bandwidth_Bps: float,
+    element_size: int = 4,
+) -> float:
+    """The link-time model of one step of these hooks over ``EmulatedLinkComm`` (one
+    outgoing link per process, buckets one after another). Ring: 2(n-1) messages of M/n.
+    Push/pull: a push phase (the busiest worker sends its pushes one after another), then
+    a pull phase (the busiest owner sends its piece to every other worker)."""
+    n = n_workers
+    total = 0.0
+    for numel in numels:
+        if architecture == "ring":
+            total += 2 * (n - 1) * (alpha_s + numel * element_size / n / bandwidth_Bps)
+            continue
+        k = servers_for(architecture, n_servers)
+        servers = list(range(n, n + k))
+        share = {"central": 1.0, "sharded": 0.0}.get(architecture, byteps_server_share(n, k))
+        pieces = partition(numel, list(range(n)), servers, share)
+        push = pull = 0.0
+        for worker in range(n):
+            seconds = sum(
+                (1 + (p.owner in servers)) * alpha_s
+                + (p.numel * element_size + HEADER_BYTES * (p.owner in servers)) / bandwidth_Bps
+                for p in pieces
+                if p.owner != worker
+            )
+            push = max(push, seconds)
+        for p in pieces:
+            receivers = n - (p.owner < n)
+            pull = max(pull, receivers * (alpha_s + p.numel * element_size / bandwidth_Bps))
+        total += push + pull
+    return total
