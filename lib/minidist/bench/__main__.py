@@ -67,6 +67,9 @@ def main(argv=None) -> None:
     from . import compression as compression_bench  # its own arguments and main
 
     compression_bench.add_parser(sub)
+    from . import averaging as averaging_bench  # its own arguments and main
+
+    averaging_bench.add_parser(sub)
     args, rest = parser.parse_known_args(argv)
     if args.bench == "large_batch":  # its own options: python -m minidist.bench large_batch --help
         from . import large_batch as bench
@@ -75,6 +78,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.bench == "compression":
         return compression_bench.main(args)
+    if args.bench == "averaging":
+        return averaging_bench.main(args)
     if args.bench == "ddp":
         from . import ddp as bench
 
