@@ -255,6 +255,37 @@ def test_allreduce_average_is_the_mean_of_every_rank(transport, algorithm):
             torch.testing.assert_close(out[index], want, rtol=1e-6, atol=1e-6)
 
 
+def test_collective_work_calls_done_callbacks_once_in_the_thread_that_finished_it():
+    """DDP ends a bucket's trace span from the work's done callback (the true completion
+    time): pending -> called once by the communication thread, after the work is done;
+    already done -> at once in the caller; an error still calls it; a failing callback
+    does not stop the stream."""
+    import threading
+
+    from minidist.collectives.async_ops import CollectiveStream
+
+    stream = CollectiveStream(SoloComm())
+    gate = threading.Event()
+    seen = []
+
+    def note(work):
+        seen.append((work, threading.current_thread() is stream.thread, work.is_completed()))
+
+    gated = stream.submit("gated", lambda: gate.wait(10) and None)
+    gated.add_done_callback(note)
+    gated.add_done_callback(lambda work: 1 / 0)  # printed, then ignored
+    assert seen == []
+    failing = stream.submit("failing", lambda: [][1])
+    failing.add_done_callback(note)
+    gate.set()
+    stream.stop()  # runs what is queued, then joins the thread
+    assert seen == [(gated, True, True), (failing, True, True)]
+    gated.add_done_callback(note)
+    assert seen[-1] == (gated, False, True)
+    with pytest.raises(IndexError):
+        failing.wait(1)
+
+
 def test_overlap_bound_formula():
     """The bench's bound: after-backward step 100 ms with B = 40, C = 30; the last bucket
     holds half the bytes, so 15 ms of C can never hide: best step 100 - 70 + max(55, 30) = 85."""

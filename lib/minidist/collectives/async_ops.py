@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import traceback
 from collections.abc import Callable
 
 import torch
@@ -62,6 +63,9 @@ class CollectiveWork:
     ``wait(timeout=None)`` blocks until the collective has run and returns its
     result (the in-place tensor, or the new tensor of allgather/reduce_scatter);
     it re-raises the collective's error. ``is_completed()`` never blocks.
+    ``add_done_callback(fn)`` calls ``fn(work)`` once it has finished (at once, in
+    the caller's thread, if it already has; else in the communication thread):
+    how a trace learns when a collective really ended, not when someone waited.
     """
 
     def __init__(self, description: str) -> None:
@@ -69,10 +73,27 @@ class CollectiveWork:
         self._done = threading.Event()
         self._result: torch.Tensor | None = None
         self._error: BaseException | None = None
+        self._callbacks: list[Callable[[CollectiveWork], object]] = []
+        self._callback_lock = threading.Lock()
 
     def _finish(self, result: torch.Tensor | None, error: BaseException | None) -> None:
         self._result, self._error = result, error
-        self._done.set()
+        with self._callback_lock:
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            try:
+                callback(self)
+            except Exception:  # a broken callback must not end the communication thread
+                traceback.print_exc()
+
+    def add_done_callback(self, callback: Callable[[CollectiveWork], object]) -> None:
+        """Call ``callback(self)`` when the collective has finished (see the class doc)."""
+        with self._callback_lock:
+            if not self._done.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
 
     def is_completed(self) -> bool:
         """True once the collective has finished (successfully or not)."""
