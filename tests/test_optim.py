@@ -317,6 +317,7 @@ def test_experiment_runs_every_method_and_batch_on_the_same_samples():
     for r in results:
         assert r.steps == 256 // r.batch
         assert r.samples == [0, 64, 128, 192, 256]  # evaluated at the same sample counts
+        assert r.eval_steps == [s // r.batch for s in r.samples]
         assert r.eval_loss[0] == pytest.approx(results[0].eval_loss[0])  # the same initial model
         assert len(r.train_loss) == r.steps
         assert r.eval_loss[-1] < r.eval_loss[0]  # it learned something

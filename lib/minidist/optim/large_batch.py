@@ -123,6 +123,11 @@ class RunResult:
     seconds: float = 0.0
 
     @property
+    def eval_steps(self) -> list[int]:
+        """Optimizer steps at each evaluation (``samples // batch``): for loss vs steps."""
+        return [s // self.batch for s in self.samples]
+
+    @property
     def final_loss(self) -> float:
         return self.eval_loss[-1]
 
@@ -268,7 +273,7 @@ def plot(results: list[RunResult], axes=None):
     colours = {b: plt.cm.viridis(i / max(1, len(batches) - 1)) for i, b in enumerate(batches)}
     styles = {"adam-linear": "-", "adam-sqrt": "--", "lamb": ":"}
     for r in results:
-        steps = [s // r.batch for s in r.samples]
+        steps = r.eval_steps
         label = f"{r.method} B={r.batch}"
         axes[0].plot(r.samples, r.eval_loss, styles[r.method], color=colours[r.batch], label=label)
         axes[1].plot(steps, r.eval_loss, styles[r.method], color=colours[r.batch], label=label)
