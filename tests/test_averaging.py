@@ -125,3 +125,13 @@ def test_bad_arguments_say_what_to_do():
     solo.world_size = 2
     with pytest.raises(ValueError, match="not in the group"):
         SubComm(solo, [1])
+
+
+def test_link_time_model_of_central_and_ring():
+    alpha, bandwidth, numel, n = 1e-5, 1e9, 1000, 3
+    central = averaging.push_pull_seconds([numel], "central", n, 0, alpha, bandwidth)
+    push = 2 * alpha + (4 * numel + averaging.HEADER_BYTES) / bandwidth  # header + bucket to the server
+    pull = n * (alpha + 4 * numel / bandwidth)  # the server answers n workers, one after another
+    assert central == pytest.approx(push + pull)
+    ring = averaging.push_pull_seconds([numel], "ring", n, 0, alpha, bandwidth)
+    assert ring == pytest.approx(2 * (n - 1) * (alpha + 4 * numel / n / bandwidth))
