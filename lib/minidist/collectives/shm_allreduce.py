@@ -283,7 +283,8 @@ def _pipelined_allreduce(
     """Allreduce a large ``flat`` in place, piece by piece, one barrier per piece.
 
     Piece k (``piece_bytes`` of the vector) is cut into p slices; rank r owns slice r
-    of every piece. With ``A[s][r]`` rank r's area in stage s = k mod 3::
+    of every piece. With ``A[s][r]`` rank r's area in stage s (the three stages take
+    turns, piece after piece, across calls too)::
 
         publish(k)   rank r copies its slices j != r of piece k into A[s][r]   (p-1)/p bytes
         barrier k    every rank has published piece k (and finished piece k-1)
