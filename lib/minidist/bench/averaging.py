@@ -48,6 +48,7 @@ class AveragingBench:
     steps: int = 4  # measured, after one warm-up step
     lr: float = 1e-3
     seed: int = 0
+    gbit_per_s: float = 10.0  # the emulated link (10: ETHERNET_10G's bandwidth; its alpha either way)
     # stragglers
     straggler_model: str = "tiny"
     straggler_workers: int = 3
@@ -107,7 +108,7 @@ def _architecture_worker(comm, cfg: AveragingBench, arch: str, n: int, k: int) -
     from ..parallel.group import SubComm
     from ..transport.emulated import ETHERNET_10G, EmulatedLinkComm
 
-    comm = EmulatedLinkComm(comm, *ETHERNET_10G)
+    comm = EmulatedLinkComm(comm, ETHERNET_10G.alpha_s, cfg.gbit_per_s * 1.25e8)
     if comm.rank >= n:
         report = averaging.serve_summation(comm, list(range(n)))
         return {"role": "server", "stats": vars(report.stats), "rounds": report.rounds}
@@ -188,13 +189,15 @@ def compare_architectures(cfg: AveragingBench = AveragingBench(), configs=DEFAUL
                 "server_formula_MB": want_server / 1e6,
                 "step_s": max(o["step_s"] for o in workers),
                 "hook_s": max(o["hook_s"] for o in workers),
-                "model_hook_s": averaging.push_pull_seconds([numel], arch, n, k, *ETHERNET_10G),
+                "model_hook_s": averaging.push_pull_seconds(
+                    [numel], arch, n, k, ETHERNET_10G.alpha_s, cfg.gbit_per_s * 1.25e8
+                ),
             }
         )
     return rows
 
 
-def print_architecture_table(rows: list[dict]) -> str:
+def print_architecture_table(rows: list[dict], gbit_per_s: float = 10.0) -> str:
     headers = ["who averages", "n", "S", "worker MB/step", "formula", "server MB/step", "formula"]
     headers += ["step ms", "hook ms", "link model ms"]
     table = [
@@ -212,7 +215,10 @@ def print_architecture_table(rows: list[dict]) -> str:
         ]
         for r in rows
     ]
-    return print_table(headers, table, "bytes sent per step by one worker / one server, emulated 10 Gbit/s")
+    title = (
+        f"bytes sent per step by one worker / one server; times over the emulated {gbit_per_s:g} Gbit/s link"
+    )
+    return print_table(headers, table, title)
 
 
 # --- stragglers ---------------------------------------------------------------------------------
@@ -323,9 +329,11 @@ def print_straggler_table(rows: list[dict], cfg: AveragingBench) -> str:
 def run(cfg: AveragingBench = AveragingBench(), out: str | None = None, stragglers: bool = True) -> dict:
     """Both tables (what ``python -m minidist.bench averaging`` prints); JSON saved to ``out``."""
     load_before = os.getloadavg()
-    print(f"who averages: BERT {cfg.model}, batch {cfg.batch}x{cfg.seq} per worker, emulated 10 Gbit/s ...")
+    print(
+        f"who averages: BERT {cfg.model}, batch {cfg.batch}x{cfg.seq} per worker, {cfg.gbit_per_s:g} Gbit/s"
+    )
     arch_rows = compare_architectures(cfg)
-    print_architecture_table(arch_rows)
+    print_architecture_table(arch_rows, cfg.gbit_per_s)
     result = {"config": asdict(cfg), "architectures": arch_rows}
     if stragglers:
         straggler_rows = compare_stragglers(cfg)
@@ -334,7 +342,7 @@ def run(cfg: AveragingBench = AveragingBench(), out: str | None = None, straggle
     load_after = os.getloadavg()
     print(f"load average before {load_before[0]:.1f}, after {load_after[0]:.1f} ({os.cpu_count()} cores)")
     result["load"] = [load_before, load_after]
-    save_json(out_dir(out), f"averaging_{cfg.model}", result)
+    save_json(out_dir(out), f"averaging_{cfg.model}_{cfg.gbit_per_s:g}gbit", result)
     return result
 
 
@@ -342,9 +350,11 @@ def add_parser(sub) -> None:
     parser = sub.add_parser("averaging", help="central PS, sharded PS, ring, BytePS; stragglers (BERT)")
     parser.add_argument("--model", default=AveragingBench.model, help="BERT config: tiny, mini (default)")
     parser.add_argument("--steps", type=int, default=AveragingBench.steps)
+    parser.add_argument("--gbit", type=float, default=10.0, help="emulated link bandwidth (default 10)")
     parser.add_argument("--no-stragglers", action="store_true", help="skip the straggler table")
     parser.add_argument("--out", default=None)
 
 
 def main(args) -> None:
-    run(AveragingBench(model=args.model, steps=args.steps), args.out, stragglers=not args.no_stragglers)
+    cfg = AveragingBench(model=args.model, steps=args.steps, gbit_per_s=args.gbit)
+    run(cfg, args.out, stragglers=not args.no_stragglers)
