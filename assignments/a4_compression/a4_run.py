@@ -1,0 +1,75 @@
+"""Runs for the public tests of assignment 4: your hook in the library's DDP on a few ranks.
+
+``md.launch`` starts the worker processes; ``train_with_hook`` is what each of them runs (your
+``dgc`` is imported there, afresh at every launch). ``one_process_sgd`` is the reference: plain
+SGD in one process on the whole batch. Nothing to change here.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+import minidist as md
+
+FEATURES, CLASSES, LOCAL_BATCH = 6, 3, 8
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Linear(16, CLASSES))
+
+
+def batch(step: int, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of ``step``: ``ranks * LOCAL_BATCH`` rows; rank r has the r-th block."""
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(ranks * LOCAL_BATCH, FEATURES, generator=g)
+    return x, torch.randint(0, CLASSES, (ranks * LOCAL_BATCH,), generator=g)
+
+
+def train_with_hook(comm, config: dict, steps: int, lr: float, bucket_mb: float) -> dict:
+    """Each rank: DDP with ``dgc.DGCHook(DGCConfig(**config))``, ``steps`` SGD steps; returns the
+    parameters, the bytes this rank's transport sent in each backward, and the k of each call."""
+    dgc = importlib.import_module("dgc")
+    model = make_model()
+    hook = dgc.DGCHook(dgc.DGCConfig(**config))
+    numels = []
+
+    def counted(comm_, flat, index):
+        numels.append(flat.numel())
+        return hook(comm_, flat, index)
+
+    ddp = md.DistributedDataParallel(model, comm, bucket_mb=bucket_mb, comm_hook=counted)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    sent, calls = [], []
+    for step in range(steps):
+        x, y = batch(step, comm.world_size)
+        rows = slice(comm.rank * LOCAL_BATCH, (comm.rank + 1) * LOCAL_BATCH)
+        optimizer.zero_grad(set_to_none=True)
+        loss = nn.functional.cross_entropy(ddp(x[rows]), y[rows])
+        before, numels[:] = comm.stats.copy(), []
+        loss.backward()
+        sent.append((comm.stats - before).bytes_sent)
+        calls.append(list(numels))
+        optimizer.step()
+    return {"params": [p.detach().clone() for p in model.parameters()], "sent": sent, "numels": calls}
+
+
+def one_process_sgd(steps: int, lr: float, ranks: int) -> list[torch.Tensor]:
+    """Plain SGD (no momentum) on the whole global batch, in this process."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    for step in range(steps):
+        x, y = batch(step, ranks)
+        optimizer.zero_grad(set_to_none=True)
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def launch(config: dict, steps: int = 3, lr: float = 0.1, ranks: int = 2, bucket_mb: float = 1.0, timeout=60):
+    return md.launch(
+        train_with_hook, ranks, args=(config, steps, lr, bucket_mb), transport="pipe", timeout=timeout
+    )

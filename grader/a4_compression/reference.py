@@ -1,0 +1,337 @@
+"""The trusted side of assignment 4's hidden tests: DGC written a second time, and the checks.
+
+Nothing here runs next to student code, and nothing here uses the library's compressor
+(``minidist.parallel.compression``) or the solution: DGC is written again from the stub's
+specification, in plain Python where the order matters (the threshold, the choice among the
+chosen, the tie-break), so that a bug in the library or the solution is not graded as right.
+``tests/test_grade_a4.py`` checks this reference against the library on random data.
+
+Each ``*_check`` returns a function of the ranks' reports (read back as data) that raises
+``AssertionError`` with a message a student may read (``grading.redact`` removes the expected
+values).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import workers
+
+RTOL, ATOL = 1e-10, 1e-12  # float64 sequences: the same operations in the same order
+RTOL32, ATOL32 = 1e-5, 1e-6  # float32 training: rounding only
+
+
+# --- DGC, the second time ----------------------------------------------------------------------
+def sparsity(step: int, config: dict) -> float:
+    stage_steps = config.get("warmup_stage_steps", 0)
+    stages = list(config.get("warmup_sparsities", (0.75, 0.9375, 0.984375, 0.996))) if stage_steps else []
+    stage = step // stage_steps if stage_steps else 0
+    return float(stages[stage]) if stage < len(stages) else float(config.get("sparsity", 0.999))
+
+
+def slots(numel: int, sparsity_: float) -> int:
+    return max(1, min(numel, math.ceil(numel * (1.0 - sparsity_) - 1e-9)))
+
+
+def clipped(grad: torch.Tensor, clip_norm: float, world_size: int) -> torch.Tensor:
+    threshold = clip_norm / math.sqrt(world_size)
+    norm = torch.linalg.vector_norm(grad)
+    return grad * (threshold / norm) if norm > threshold else grad.clone()
+
+
+def chosen_indices(values: torch.Tensor, k: int, config: dict, generator: torch.Generator) -> list[int]:
+    """The stub's recipe, in Python lists (ascending indices)."""
+    n = values.numel()
+    if k >= n:
+        return list(range(n))
+    magnitude = values.abs()
+    size = min(n, max(config.get("min_sample", 256), math.ceil(config.get("sample_ratio", 0.01) * n)))
+    if size == n:
+        sample = magnitude.tolist()
+    else:
+        sample = magnitude[torch.randint(n, (size,), generator=generator)].tolist()
+    ks = max(1, math.ceil(size * k / n))
+    threshold = sorted(sample, reverse=True)[ks - 1]
+    m = magnitude.tolist()
+    chosen = [i for i in range(n) if m[i] >= threshold]
+    if len(chosen) > k:
+        chosen = sorted(sorted(chosen, key=lambda i: (-m[i], i))[:k])
+    return chosen
+
+
+class Compressor:
+    """One rank's DGC state for one bucket; ``step(grad)`` -> (indices list, values tensor)."""
+
+    def __init__(self, numel: int, config: dict, world_size: int, generator: torch.Generator, dtype) -> None:
+        self.u = torch.zeros(numel, dtype=dtype)
+        self.v = torch.zeros(numel, dtype=dtype)
+        self.t = 0
+        self.config, self.world_size, self.generator = config, world_size, generator
+
+    def step(self, grad: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        config = self.config
+        g = grad
+        if config.get("clip_norm") is not None:
+            g = clipped(grad, config["clip_norm"], self.world_size)
+        self.u = self.u * config.get("momentum", 0.9) + g
+        self.v = self.v + self.u
+        k = slots(grad.numel(), sparsity(self.t, config))
+        chosen = chosen_indices(self.v, k, config, self.generator)
+        where = torch.tensor(chosen, dtype=torch.long)
+        values = self.v[where].clone()
+        self.v[where] = 0.0
+        self.u[where] = 0.0
+        self.t += 1
+        return chosen, values
+
+
+def sequence(spec: dict) -> dict:
+    grads = workers.gradient_sequence(spec)
+    generator = torch.Generator().manual_seed(spec["sample_seed"])
+    comp = Compressor(spec["n"], spec["config"], spec["world_size"], generator, torch.float64)
+    steps = [comp.step(grad) for grad in grads]
+    return {"steps": steps, "velocity": comp.u, "accumulated": comp.v, "step": comp.t}
+
+
+def simulate(spec: dict) -> tuple[dict, float]:
+    """DDP with DGC on ``spec["ranks"]`` ranks, simulated in one process (one bucket: the whole
+    model; the sample must be every entry, so the order of the parameters in it does not
+    matter): every rank's local gradient, compressed with its own state; the sparse vectors
+    added in rank order, divided by N; SGD. Returns (parameters, final loss)."""
+    model = workers.make_model(spec)
+    x, y = workers.make_data(spec)
+    params = [p for _, p in reversed(list(model.named_parameters()))]
+    numel = sum(p.numel() for p in params)
+    ranks = spec["ranks"]
+    comps = [
+        Compressor(
+            numel,
+            spec["config"],
+            ranks,
+            torch.Generator().manual_seed(spec["config"].get("seed", 0) * 1000 + r),
+            torch.float32,
+        )
+        for r in range(ranks)
+    ]
+    for step in range(spec["steps"]):
+        dense = torch.zeros(numel, dtype=torch.float32)
+        for rank in range(ranks):
+            rows = workers.batch_rows(spec, step, rank)
+            model.zero_grad(set_to_none=True)
+            workers.loss_of(model, x[rows], y[rows]).backward()
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            chosen, values = comps[rank].step(flat)
+            dense.index_add_(0, torch.tensor(chosen, dtype=torch.long), values)
+        dense.div_(ranks)
+        with torch.no_grad():
+            offset = 0
+            for p in params:
+                p.add_(dense[offset : offset + p.numel()].view_as(p), alpha=-spec["lr"])
+                offset += p.numel()
+    with torch.no_grad():
+        loss = float(workers.loss_of(model, x, y))
+    return {name: p.detach().clone() for name, p in model.named_parameters()}, loss
+
+
+def dense_momentum_sgd(spec: dict) -> float:
+    """The final loss of plain momentum SGD on the same global batches (one process)."""
+    model = workers.make_model(spec)
+    x, y = workers.make_data(spec)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=spec["lr"], momentum=spec["config"].get("momentum", 0.9)
+    )
+    per_step = spec["ranks"] * spec["local_batch"]
+    for step in range(spec["steps"]):
+        start = (step * per_step) % spec["rows"]
+        optimizer.zero_grad(set_to_none=True)
+        workers.loss_of(model, x[start : start + per_step], y[start : start + per_step]).backward()
+        optimizer.step()
+    with torch.no_grad():
+        return float(workers.loss_of(model, x, y))
+
+
+def initial_loss(spec: dict) -> float:
+    x, y = workers.make_data(spec)
+    with torch.no_grad():
+        return float(workers.loss_of(workers.make_model(spec), x, y))
+
+
+# --- comparing ---------------------------------------------------------------------------------
+def assert_close(where: str, got, expected: torch.Tensor, rtol: float = RTOL, atol: float = ATOL) -> None:
+    if not isinstance(got, torch.Tensor):
+        raise AssertionError(f"{where}: expected a tensor, got {type(got).__name__}")
+    if got.shape != expected.shape:
+        raise AssertionError(f"{where}: shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
+    got = got.to(expected.dtype)
+    bad = ~torch.isclose(got, expected, rtol=rtol, atol=atol)
+    if bad.any():
+        index = tuple(bad.nonzero()[0].tolist())
+        raise AssertionError(
+            f"{where}: element {index} is {got[index].item():.10g}, expected {expected[index].item():.10g} "
+            f"({int(bad.sum())} of {expected.numel()} elements differ)"
+        )
+
+
+def _as_index_list(where: str, got) -> list[int]:
+    if not isinstance(got, torch.Tensor) or got.dim() != 1 or got.dtype.is_floating_point:
+        raise AssertionError(f"{where}: expected a 1-d integer tensor of indices, got {got!r:.80}")
+    return [int(i) for i in got.tolist()]
+
+
+def _same_indices(where: str, got: list[int], expected: list[int]) -> None:
+    if got == expected:
+        return
+    if got != sorted(got):
+        raise AssertionError(f"{where}: the indices are not in ascending order")
+    extra, missing = sorted(set(got) - set(expected)), sorted(set(expected) - set(got))
+    raise AssertionError(
+        f"{where}: {len(got)} indices chosen, the recipe chooses {len(expected)}; "
+        f"{len(extra)} chosen that the recipe does not choose (e.g. {extra[:3]}), {len(missing)} "
+        "the recipe chooses are missing (sampled threshold, >=, stable tie-break: see the docstring)"
+    )
+
+
+def schedule_check(what: str, cases: list[dict]):
+    expected = [[sparsity(step, c["config"]) for step in c["steps"]] for c in cases]
+
+    def check(outs: list) -> None:
+        got = outs[0]
+        for index, (case, mine, right) in enumerate(zip(cases, got, expected)):
+            for step, a, b in zip(case["steps"], mine, right):
+                if a != b:
+                    raise AssertionError(
+                        f"{what}, case {index} (warmup_stage_steps={case['config']['warmup_stage_steps']}, "
+                        f"sparsity={case['config']['sparsity']}): step {step} gives {a}, expected {b}"
+                    )
+
+    return check
+
+
+def clip_check(what: str, cases: list[dict]):
+    def check(outs: list) -> None:
+        for index, (case, out) in enumerate(zip(cases, outs[0])):
+            grad = workers.vector(case) * case["scale"]
+            where = f"{what}, case {index} (clip_norm={case['clip_norm']}, world_size={case['world_size']})"
+            if out["same_object"]:
+                raise AssertionError(f"{where}: returned the input itself; return a new tensor")
+            assert_close(f"{where}, the input after the call (must not change)", out["input"], grad)
+            assert_close(where, out["clipped"], clipped(grad, case["clip_norm"], case["world_size"]))
+
+    return check
+
+
+def select_check(what: str, cases: list[dict]):
+    def check(outs: list) -> None:
+        for index, (case, got) in enumerate(zip(cases, outs[0])):
+            generator = torch.Generator().manual_seed(case["sample_seed"])
+            expected = chosen_indices(workers.vector(case), case["k"], case["config"], generator)
+            where = f"{what}, case {index} (n={case['n']}, k={case['k']})"
+            _same_indices(where, _as_index_list(where, got), expected)
+
+    return check
+
+
+def sequence_check(what: str, spec: dict):
+    def check(outs: list) -> None:
+        expected, got = sequence(spec), outs[0]
+        for step, ((chosen, values), mine) in enumerate(zip(expected["steps"], got["steps"])):
+            where = f"{what}: step {step}"
+            if not mine["grad_unchanged"]:
+                raise AssertionError(f"{where}: compress_step modified grad; leave it as it is")
+            _same_indices(where, _as_index_list(where, mine["indices"]), chosen)
+            assert_close(f"{where}, the values sent", mine["values"], values)
+        assert_close(f"{what}: velocity u after {spec['steps']} steps", got["velocity"], expected["velocity"])
+        assert_close(
+            f"{what}: accumulation v after {spec['steps']} steps", got["accumulated"], expected["accumulated"]
+        )
+        if got["step"] != expected["step"]:
+            raise AssertionError(f"{what}: state.step is {got['step']} after {spec['steps']} steps")
+
+    return check
+
+
+def feedback_check(what: str, spec: dict):
+    """Error feedback loses nothing: with momentum 0 and no clipping, everything sent plus the
+    final accumulation equals the sum of the gradients (whatever was chosen)."""
+
+    def check(outs: list) -> None:
+        got = outs[0]
+        total = torch.stack(workers.gradient_sequence(spec)).sum(0)
+        delivered = got["accumulated"].to(torch.float64).clone()
+        for step, mine in enumerate(got["steps"]):
+            where = f"{what}: step {step}"
+            indices = torch.tensor(_as_index_list(where, mine["indices"]), dtype=torch.long)
+            delivered.index_add_(0, indices, mine["values"].to(torch.float64))
+        assert_close(f"{what}: (everything sent) + (what is left in v)", delivered, total, 1e-9, 1e-12)
+
+    return check
+
+
+def simulation_check(what: str, spec: dict):
+    def check(outs: list) -> None:
+        params, _ = simulate(spec)
+        for rank, out in enumerate(outs):
+            if not isinstance(out["params"], dict) or set(out["params"]) != set(params):
+                raise AssertionError(f"{what}: rank {rank}: the parameters' names differ from the model's")
+            for name, value in params.items():
+                where = f"{what}: rank {rank}, '{name}' after {spec['steps']} SGD steps"
+                assert_close(where, out["params"][name], value, RTOL32, ATOL32)
+
+    return check
+
+
+def bytes_check(what: str, spec: dict):
+    """Every rank, every step: one asynchronous allgather of 8 k bytes per hook call (k of that
+    step), no other collective in backward, and the transport sent (N - 1) * 8 k bytes per bucket."""
+    ranks = spec["ranks"]
+
+    def check(outs: list) -> None:
+        for rank, out in enumerate(outs):
+            for step in range(spec["steps"]):
+                hooks = [h for h in out["hooks"] if h[0] == step]
+                if not hooks:
+                    raise AssertionError(f"{what}: rank {rank}, step {step}: DDP never called the hook")
+                expected = sorted(8 * slots(numel, sparsity(step, spec["config"])) for _, _, numel in hooks)
+                calls = [c for c in out["calls"] if c["phase"] == step]
+                others = sorted({c["function"] for c in calls if c["function"] != "allgather"})
+                if others:
+                    raise AssertionError(
+                        f"{what}: rank {rank}, step {step}: the hook called {others}; DGC sends by "
+                        "one allgather per bucket only"
+                    )
+                got = sorted(c["bytes"] for c in calls)
+                if got != expected:
+                    raise AssertionError(
+                        f"{what}: rank {rank}, step {step} (sparsity {sparsity(step, spec['config'])}): "
+                        f"allgathers of {got} bytes, expected one per bucket of 8 k bytes: {expected}"
+                    )
+                if not all(c["async_op"] for c in calls):
+                    raise AssertionError(
+                        f"{what}: rank {rank}, step {step}: an allgather with async_op=False blocks "
+                        "backward; launch it with async_op=True and wait in SparseWork.wait()"
+                    )
+                wire = (ranks - 1) * sum(expected)
+                if out["sent"][step] != wire:
+                    raise AssertionError(
+                        f"{what}: rank {rank}, step {step}: the transport sent {out['sent'][step]} bytes in "
+                        f"backward, expected {wire} ((N-1) x 8 k per bucket, the ring allgather)"
+                    )
+
+    return check
+
+
+def convergence_check(what: str, spec: dict, factor: float):
+    """The DGC run's final loss is at most ``factor`` times dense momentum SGD's (same batches)."""
+
+    def check(outs: list) -> None:
+        dense, start = dense_momentum_sgd(spec), initial_loss(spec)
+        loss = outs[0]["loss"]
+        if not isinstance(loss, float) or not loss <= factor * dense:
+            raise AssertionError(
+                f"{what}: after {spec['steps']} steps the loss is {loss:.4g} (it started at {start:.4g}); "
+                f"it must be at most {factor:g} x dense momentum SGD's, expected at most {factor * dense:.4g}"
+            )
+
+    return check

@@ -1,0 +1,244 @@
+"""What the hidden tests of assignment 4 run inside the worker processes, and their inputs.
+
+The student's ``dgc`` is imported only here, inside the processes ``md.launch`` starts, never
+in the pytest or grader process. Every job takes JSON arguments only and builds its data from
+them (``vector``, ``gradient_sequence``, ``make_model``, ``make_data``); the trusted side
+(``reference.py``) builds the same data from the same arguments. This module does not import
+pytest.
+
+What a training rank reports besides its parameters and loss, measured by the grader's code:
+
+* every call of the library's collectives (``CollectiveLog``: ``md.allgather``,
+  ``md.allreduce``, ... are wrapped before the student's module is imported), with the step it
+  came in, the function, the number of bytes and ``async_op``;
+* every call of the student's hook, as the library's DDP makes it (bucket index, elements);
+* the bytes the transport itself sent during each backward (``comm.stats``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+from torch import nn
+
+import minidist as md
+
+if __package__:  # under pytest: grader.a4_compression.workers
+    from .. import guard
+    from . import rules
+else:  # in the grading sandbox, where these files are copied side by side
+    import guard
+    import rules
+
+STUDENT_MODULE = "dgc"
+COLLECTIVES = ("allgather", "allreduce", "broadcast", "reduce", "reduce_scatter")
+
+
+# --- the grader's instruments ------------------------------------------------------------------
+class CollectiveLog:
+    """Wraps the library's collectives (under every public name) to log each call; ``phase`` tags them."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+        self.phase: int | None = None
+        self.installed = False
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        self.installed = True
+        import minidist.collectives as collectives
+        import minidist.collectives.api as api
+
+        for name in COLLECTIVES:
+            wrapped = self._wrap(name, getattr(api, name))
+            for owner in (md, collectives, api):
+                if hasattr(owner, name):
+                    setattr(owner, name, wrapped)
+
+    def _wrap(self, name: str, original):
+        @functools.wraps(original)
+        def collective(comm, tensor, *args, **kwargs):
+            is_tensor = isinstance(tensor, torch.Tensor)
+            self.calls.append(
+                {
+                    "phase": self.phase,
+                    "function": name,
+                    "bytes": int(tensor.numel() * tensor.element_size()) if is_tensor else -1,
+                    "async_op": bool(kwargs.get("async_op", False)),
+                }
+            )
+            return original(comm, tensor, *args, **kwargs)
+
+        return collective
+
+
+_LOG = CollectiveLog()
+
+
+def student():
+    """The student's module, imported after the guard refuses the library's compressor."""
+    guard.install_rules(rules)
+    _LOG.install()
+    return importlib.import_module(STUDENT_MODULE)
+
+
+def config_of(dgc, spec: dict):
+    """The student's ``DGCConfig`` of a JSON dict (lists become tuples)."""
+    fields = {key: tuple(value) if isinstance(value, list) else value for key, value in spec.items()}
+    return dgc.DGCConfig(**fields)
+
+
+# --- data --------------------------------------------------------------------------------------
+def vector(case: dict) -> torch.Tensor:
+    """A test vector: ``n`` normal entries (float64) from ``data_seed``; ``ties``: rounded to
+    quarters, so many magnitudes are equal; ``zeros``: that share of entries is 0."""
+    g = torch.Generator().manual_seed(case["data_seed"])
+    values = torch.randn(case["n"], generator=g, dtype=torch.float64)
+    if case.get("ties"):
+        values = torch.round(values * 4) / 4
+    if case.get("zeros"):
+        values[torch.rand(case["n"], generator=g) < case["zeros"]] = 0.0
+    return values
+
+
+def gradient_sequence(spec: dict) -> list[torch.Tensor]:
+    """``steps`` float64 gradients of ``n`` entries; their scale varies (clipping acts on some)."""
+    g = torch.Generator().manual_seed(spec["data_seed"])
+    out = []
+    for step in range(spec["steps"]):
+        scale = 0.5 + 3.0 * torch.rand((), generator=g, dtype=torch.float64)
+        out.append(scale * torch.randn(spec["n"], generator=g, dtype=torch.float64) / spec["n"] ** 0.5)
+        if step % 3 == 2:  # a sparse gradient now and then: many entries exactly 0
+            out[-1][torch.rand(spec["n"], generator=g) < 0.5] = 0.0
+    return out
+
+
+class MLP(nn.Module):
+    """features -> hidden -> hidden -> classes, tanh between (float32)."""
+
+    def __init__(self, features: int, hidden: int, classes: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(features, hidden)
+        self.mid = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+
+
+def make_model(spec: dict) -> nn.Module:
+    torch.manual_seed(spec["seed"])
+    return MLP(spec["features"], spec["hidden"], spec["classes"])
+
+
+def make_data(spec: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """A classification problem a teacher network labels: ``rows`` x ``features``, float32."""
+    g = torch.Generator().manual_seed(spec["seed"] + 1)
+    x = torch.randn(spec["rows"], spec["features"], generator=g)
+    teacher = torch.randn(spec["features"], spec["classes"], generator=g)
+    return x, (x @ teacher + 0.3 * torch.randn(spec["rows"], spec["classes"], generator=g)).argmax(1)
+
+
+def batch_rows(spec: dict, step: int, rank: int) -> slice:
+    """Rank ``rank``'s rows of ``step``: the global batch is ``ranks * local_batch`` rows,
+    going round the data set; rank r has the r-th block of ``local_batch``."""
+    per_step = spec["ranks"] * spec["local_batch"]
+    start = (step * per_step) % spec["rows"] + rank * spec["local_batch"]
+    return slice(start, start + spec["local_batch"])
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(x), y)
+
+
+# --- jobs --------------------------------------------------------------------------------------
+def schedule(comm, cases: list[dict]) -> list[list[float]]:
+    """``sparsity_at`` of each case's steps."""
+    dgc = student()
+    return [[float(dgc.sparsity_at(step, config_of(dgc, c["config"]))) for step in c["steps"]] for c in cases]
+
+
+def clip(comm, cases: list[dict]) -> list[dict]:
+    """``clip_local`` of each case's vector; the input is reported too (it must not change)."""
+    dgc = student()
+    out = []
+    for case in cases:
+        grad = vector(case) * case["scale"]
+        clipped = dgc.clip_local(grad, case["clip_norm"], case["world_size"])
+        out.append({"clipped": clipped, "input": grad, "same_object": clipped is grad})
+    return out
+
+
+def select(comm, cases: list[dict]) -> list[torch.Tensor]:
+    """``select_indices`` of each case's vector, with a generator seeded ``sample_seed``."""
+    dgc = student()
+    out = []
+    for case in cases:
+        generator = torch.Generator().manual_seed(case["sample_seed"])
+        indices = dgc.select_indices(vector(case), case["k"], config_of(dgc, case["config"]), generator)
+        out.append(indices)
+    return out
+
+
+def sequence(comm, spec: dict) -> dict:
+    """``compress_step`` on a fixed gradient sequence; every step's (indices, values) and the end state."""
+    dgc = student()
+    config = config_of(dgc, spec["config"])
+    grads = gradient_sequence(spec)
+    state = dgc.DGCState.zeros_like(grads[0])
+    generator = torch.Generator().manual_seed(spec["sample_seed"])
+    steps = []
+    for grad in grads:
+        before = grad.clone()
+        indices, values = dgc.compress_step(state, grad, config, spec["world_size"], generator)
+        steps.append(
+            {"indices": indices, "values": values, "grad_unchanged": bool(torch.equal(before, grad))}
+        )
+    return {
+        "steps": steps,
+        "velocity": state.velocity,
+        "accumulated": state.accumulated,
+        "step": int(state.step),
+    }
+
+
+def train(comm, spec: dict) -> dict:
+    """The library's DDP with the student's hook trains ``make_model`` with SGD (no momentum)
+    for ``steps`` steps; report the parameters, the final loss, the collectives and bytes."""
+    dgc = student()
+    model = make_model(spec)
+    x, y = make_data(spec)
+    hook = dgc.DGCHook(config_of(dgc, spec["config"]))
+    hook_calls: list[list[int]] = []
+    phase = {"step": None}
+
+    def instrumented(comm_, flat_grad, bucket_index):
+        hook_calls.append([phase["step"], int(bucket_index), int(flat_grad.numel())])
+        return hook(comm_, flat_grad, bucket_index)
+
+    wrapped = md.DistributedDataParallel(model, comm, bucket_mb=spec["bucket_mb"], comm_hook=instrumented)
+    optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
+    _LOG.calls.clear()
+    sent = []
+    for step in range(spec["steps"]):
+        rows = batch_rows(spec, step, comm.rank)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_of(wrapped, x[rows], y[rows])
+        phase["step"] = _LOG.phase = step
+        before = comm.stats.copy()
+        loss.backward()
+        sent.append(int((comm.stats - before).bytes_sent))
+        phase["step"] = _LOG.phase = None
+        optimizer.step()
+    with torch.no_grad():
+        final = float(loss_of(model, x, y))
+    return {
+        "params": {name: p.detach().clone() for name, p in model.named_parameters()},
+        "loss": final,
+        "calls": list(_LOG.calls),
+        "hooks": hook_calls,
+        "sent": sent,
+    }
