@@ -348,3 +348,59 @@ def test_a3_stub_imports_and_each_part_raises_not_implemented_with_its_task(tmp_
         [sys.executable, str(probe)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+# --- assignment 4: Deep Gradient Compression as a DDP communication hook ----------------------
+A4 = "a4_compression"
+A4_SOLUTION, A4_STUB, A4_HIDDEN = ROOT / "solutions" / A4, ROOT / "assignments" / A4, ROOT / "grader" / A4
+A4_PUBLIC = "test_a4_compression.py"
+#: (task, what the stub's NotImplementedError names)
+A4_TASKS = [
+    (1, "sparsity_at"),
+    (2, "clip_local"),
+    (3, "select_indices"),
+    (4, "compress_step"),
+    (5, "SparseWork.wait"),
+    (5, "DGCHook.__call__"),
+]
+
+
+def a4_split(outcomes: dict[str, Outcome]) -> tuple[list[Outcome], list[Outcome]]:
+    hidden = [o for t, o in outcomes.items() if t.startswith(f"grader.{A4}.")]
+    return hidden, [o for t, o in outcomes.items() if not t.startswith(f"grader.{A4}.")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a4_solution_passes_public_and_hidden_tests(tmp_path):
+    outcomes, output = run_pytest(tmp_path, A4_SOLUTION, [A4_SOLUTION / A4_PUBLIC, A4_HIDDEN], timeout=350)
+    not_passed = {t: o for t, o in outcomes.items() if o.status != "passed"}
+    assert not not_passed, describe(not_passed)
+    hidden, public = a4_split(outcomes)
+    assert len(public) >= 8 and len(hidden) >= 10
+    assert all(o.points and o.points > 0 for o in hidden) and all(o.points is None for o in public)
+    total = sum(o.points for o in hidden)
+    assert f"score: {total:g} / {total:g} points" in output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a4_released_stub_fails_every_test_with_not_implemented(tmp_path):
+    outcomes, _ = run_pytest(tmp_path, A4_STUB, [A4_STUB / A4_PUBLIC, A4_HIDDEN], timeout=350)
+    wrong = {
+        t: o for t, o in outcomes.items() if o.status != "failed" or "NotImplementedError" not in o.message
+    }
+    assert not wrong, "tests that did not fail with NotImplementedError:\n" + describe(wrong)
+    hidden, public = a4_split(outcomes)
+    assert len(hidden) >= 10 and len(public) >= 8
+    for test_id, outcome in outcomes.items():
+        assert "did not finish" not in outcome.message and "TODO(task" in outcome.message, test_id
+
+
+def test_a4_stub_keeps_every_signature_and_docstring():
+    solution = public_signatures(A4_SOLUTION / "dgc.py")
+    assert "select_indices" in solution
+    assert public_signatures(A4_STUB / "dgc.py") == solution
+    stub = (A4_STUB / "dgc.py").read_text()
+    for task, name in A4_TASKS:
+        assert f'raise NotImplementedError("TODO(task {task}): write {name}")' in stub

@@ -1,0 +1,233 @@
+"""``python -m grader grade a4_compression``: assignment 4 goes through the same pipeline as a1-a3.
+
+The graded tests are the hidden tests with their points; the grader's second DGC
+(``grader/a4_compression/reference.py``) agrees with the library's on random data; the example
+students of ``grader/examples/a4_compression/make.py`` (correct, no error feedback, an exact
+top-k instead of the sampled threshold, no momentum correction, a crash, the library's
+compressor) and the released stub get exactly their expected scores on a subset of the hidden
+tests that tells them apart (one batch, ``--jobs 2``).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from grader import forbidden, similarity
+from grader.examples.a4_compression import make
+from minidist.parallel.compression import dgc as library
+
+with warnings.catch_warnings():  # `points` is registered by grader/a4_compression/conftest.py only
+    warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
+    from grader.a4_compression import grading, reference, workers
+    from grader.a4_compression import test_hidden as hidden
+
+ROOT = Path(__file__).resolve().parent.parent
+#: the tests that tell the examples apart (glob patterns: "[[]" is a literal "["): error feedback
+#: (bob), the sampled selection (carol), the sequence with the whole sample (dave, bob), the
+#: bytes of the hook (erin); single-process jobs but one
+SUBSET = (
+    "test_select_sampled_threshold",
+    "test_compress_sequence[[]whole]",
+    "test_error_feedback_loses_nothing",
+    "test_bytes_on_the_wire[[]2-pipe]",
+)
+SUBSET_NAMES = [
+    "test_select_sampled_threshold",
+    "test_compress_sequence[whole]",
+    "test_error_feedback_loses_nothing",
+    "test_bytes_on_the_wire[2-pipe]",
+]
+
+
+def grade(submissions: Path, out: Path, *extra: str) -> str:
+    command = [sys.executable, "-m", "grader", "grade", "a4_compression", str(submissions), "--out", str(out)]
+    result = subprocess.run(
+        [*command, *extra], cwd=ROOT, capture_output=True, text=True, timeout=400, start_new_session=True
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+def gradebook(out: Path) -> dict[str, dict]:
+    with open(out / "gradebook.csv", newline="") as file:
+        return {row["id"]: row for row in csv.DictReader(file)}
+
+
+def test_graded_tests_are_the_hidden_tests_with_their_points():
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "grader/a4_compression",
+        "--collect-only",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+    ]
+    collected = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
+    names = [line.split("::", 1)[1] for line in collected.splitlines() if "::" in line]
+    graded = grading.graded_tests(seed=12345)
+    assert [t.name for t in graded] == names and len(names) >= 10
+    for test in graded:
+        function = getattr(hidden, test.name.split("[")[0])
+        marker = next(m for m in function.pytestmark if m.name == "points")
+        assert test.points == marker.args[0], test.name
+        assert test.function in grading.HINTS and test.function in hidden.TASKS
+    assert set(SUBSET_NAMES) <= set(names)
+
+
+def test_seeds_change_the_data_not_the_tests():
+    one, two = grading.graded_tests(1), grading.graded_tests(2)
+    assert [t.name for t in one] == [t.name for t in two]
+    assert all(a.job.args != b.job.args for a, b in zip(one, two))
+    json.dumps([t.job.as_json("t", 1.0) for t in one])  # jobs travel as JSON
+
+
+def test_the_bytes_test_cuts_the_model_into_several_buckets():
+    from minidist.parallel.buckets import MB, assign_buckets
+
+    spec = next(t for t in grading.graded_tests(0) if t.name == "test_bytes_on_the_wire[2-pipe]").job.args[0]
+    named = list(workers.make_model(spec).named_parameters())
+    assert len(assign_buckets(named, spec["bucket_mb"] * MB)) >= 3
+
+
+def test_feedback_never_shows_expected_values():
+    message = "m: step 3, the values sent: element (3,) is 0.125, expected 0.25 (4 of 10 elements differ)"
+    assert "0.25" not in grading.redact(message) and "0.125" in grading.redact(message)
+    assert "(4 of 10 elements differ)" in grading.redact(message)
+
+
+# --- the grader's DGC is written independently; it must agree with the library's ----------------
+def test_reference_selection_equals_the_library_on_random_data():
+    for seed, (n, k, ratio, minimum) in enumerate(
+        [(5000, 20, 0.02, 64), (3000, 7, 0.05, 32), (400, 40, 1.0, 1)]
+    ):
+        values = torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        config = {"sample_ratio": ratio, "min_sample": minimum}
+        ours = reference.chosen_indices(values, k, config, torch.Generator().manual_seed(100 + seed))
+        theirs = library.select_indices(values, k, ratio, torch.Generator().manual_seed(100 + seed), minimum)
+        assert ours == theirs.tolist(), (n, k)
+
+
+def test_reference_compress_sequence_equals_the_library():
+    spec = hidden.sequence_spec(0, 50, sampled=True)
+    ours = reference.sequence(spec)
+    config = library.DGCConfig(
+        **{key: value for key, value in spec["config"].items() if key in ("sparsity", "warmup_stage_steps")},
+        momentum=spec["config"]["momentum"],
+        clip_norm=spec["config"]["clip_norm"],
+        sample_ratio=spec["config"]["sample_ratio"],
+        min_sample=spec["config"]["min_sample"],
+    )
+    grads = workers.gradient_sequence(spec)
+    state = library.DGCState.zeros_like(grads[0])
+    generator = torch.Generator().manual_seed(spec["sample_seed"])
+    for step, (grad, (chosen, values)) in enumerate(zip(grads, ours["steps"])):
+        indices, sent = library.compress_step(state, grad, config, spec["world_size"], generator)
+        assert indices.tolist() == chosen, step
+        assert torch.allclose(sent, values, rtol=1e-12, atol=1e-15), step
+    assert torch.allclose(state.accumulated, ours["accumulated"], rtol=1e-12, atol=1e-15)
+    assert torch.allclose(state.velocity, ours["velocity"], rtol=1e-12, atol=1e-15)
+
+
+def test_reference_sparsity_equals_the_library():
+    for config in (
+        {"sparsity": 0.999, "warmup_stage_steps": 3},
+        {"sparsity": 0.99, "warmup_stage_steps": 0},
+        {"sparsity": 0.9, "warmup_stage_steps": 2, "warmup_sparsities": (0.5,)},
+    ):
+        theirs = library.DGCConfig(**config)
+        assert [reference.sparsity(s, config) for s in range(20)] == [
+            library.sparsity_at(s, theirs) for s in range(20)
+        ]
+        assert [reference.slots(n, 0.999) for n in (1, 999, 1000, 12345)] == [
+            library.slots_for(n, 0.999) for n in (1, 999, 1000, 12345)
+        ]
+
+
+# --- intake and run time ---------------------------------------------------------------------------
+def test_the_intake_check_accepts_the_solution_and_refuses_the_library_compressor():
+    rules = grading.FORBIDDEN
+    assert forbidden.check((ROOT / "solutions/a4_compression/dgc.py").read_text(), rules) is None
+    for code in (
+        "from minidist.parallel.compression import DeepGradientCompression",
+        "from minidist.parallel import compression",
+        "import minidist.parallel.compression.dgc as dgc",
+        "from minidist.parallel.compression.dgc import select_indices",
+        "import torch.distributed as dist",
+    ):
+        assert forbidden.check(code, rules) is not None, code
+
+
+GUARD_PROBE = """
+import torch
+
+import minidist as md
+from grader import guard
+from grader.a4_compression import rules
+from minidist.parallel.compression import dgc
+
+guard.install_rules(rules)
+refused = []
+for call in (
+    lambda: dgc.select_indices(torch.randn(10), 2, 1.0, None),
+    lambda: dgc.DeepGradientCompression()(None, torch.zeros(4), 0),
+    lambda: __import__("minidist.parallel.compression.traffic", fromlist=["x"]).dense_ring_bytes(4, 2),
+):
+    try:
+        call()
+    except PermissionError as error:
+        refused.append(guard.MARKER in str(error))
+assert refused == [True, True, True], refused
+model = torch.nn.Linear(2, 2)  # the library's DDP and collectives stay allowed
+assert md.DistributedDataParallel.__init__.__code__.co_name == "__init__"
+print("ok")
+"""
+
+
+def test_the_run_time_guard_refuses_the_library_compressor_and_leaves_ddp_alone(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(GUARD_PROBE)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, str(probe)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_examples_and_the_stub_get_their_scores(tmp_path):
+    submissions = tmp_path / "subs"
+    make.write(submissions, make.build_dict())
+    (submissions / "stub").mkdir()
+    (submissions / "stub" / make.FILE).write_bytes(make.STUB.read_bytes())
+    out = tmp_path / "out"
+    selection = [arg for pattern in SUBSET for arg in ("--tests", pattern)]
+    grade(submissions, out, "--jobs", "2", "--test-timeout", "30", *selection)
+    book = gradebook(out)
+    assert (
+        book["alice"]["score"]
+        == book["alice"]["max_score"]
+        == f"{make.expected_score('alice', SUBSET_NAMES):g}"
+    )
+    for student, (status, _) in make.LOST.items():
+        score = make.expected_score(student, SUBSET_NAMES)
+        assert (book[student]["status"], float(book[student]["score"])) == (status, score), book[student]
+    assert book["stub"]["score"] == "0" and book["stub"]["status"] == "ok"
+    stub = json.loads((out / "stub" / "results.json").read_text())
+    assert all("NotImplementedError" in t["output"] and "TODO(task" in t["output"] for t in stub["tests"])
+    assert "(everything sent) + (what is left in v)" in (out / "bob" / "feedback.md").read_text()
+    assert "the recipe chooses" in (out / "carol" / "feedback.md").read_text()
+    assert "KeyError" in (out / "erin" / "feedback.md").read_text()
+    assert "minidist.parallel.compression" in book["frank"]["reason"]
+    assert float(book["alice"]["similarity"]) < similarity.FLAG_AT
