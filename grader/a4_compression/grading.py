@@ -38,7 +38,14 @@ FORBIDDEN = Rules.of(rules)
 #: the library files a submission is compared with (``grader/similarity.py``), relative to the root
 SIMILAR_TO = ("lib/minidist/parallel/compression/*.py",)
 #: functions the stub gives (every submission has them): not compared
-GIVEN_FUNCTIONS = ("__post_init__", "zeros_like", "slots_for", "pack", "unpack", "__init__")
+GIVEN_FUNCTIONS = (
+    "DGCConfig.__post_init__",
+    "DGCState.zeros_like",
+    "slots_for",
+    "pack",
+    "unpack",
+    "SparseWork.__init__",
+)
 WORKERS_MODULE = "workers"
 
 HINTS = {

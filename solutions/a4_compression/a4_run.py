@@ -8,6 +8,9 @@ SGD in one process on the whole batch. Nothing to change here.
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -15,6 +18,7 @@ from torch import nn
 import minidist as md
 
 FEATURES, CLASSES, LOCAL_BATCH = 6, 3, 8
+HERE = Path(__file__).resolve().parent
 
 
 def make_model() -> nn.Module:
@@ -73,3 +77,24 @@ def launch(config: dict, steps: int = 3, lr: float = 0.1, ranks: int = 2, bucket
     return md.launch(
         train_with_hook, ranks, args=(config, steps, lr, bucket_mb), transport="pipe", timeout=timeout
     )
+
+
+def try_run(function, *args, **kwargs):
+    """``function(*args)``, or None (and a note) while a part of ``dgc.py`` is not written yet."""
+    try:
+        return function(*args, **kwargs)
+    except NotImplementedError as error:
+        print(f"not implemented yet ({error}): nothing to show.")
+    except md.WorkerError as error:
+        if error.exc_type != "NotImplementedError":
+            raise
+        print(f"not implemented yet ({error.summary}): nothing to show.")
+    return None
+
+
+def run_public_tests(*pytest_args: str) -> bool:
+    """Run test_a4_compression.py in a fresh process (your latest code); print its report."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_a4_compression.py"]
+    result = subprocess.run([*command, *pytest_args], cwd=HERE, capture_output=True, text=True)
+    print(result.stdout[-20_000:], result.stderr[-5_000:], sep="")
+    return result.returncode == 0

@@ -172,12 +172,9 @@ def sparsity_at(step: int, config: DGCConfig) -> float:
     """
     # TODO(task 1): two cases; no loop needed.
     ### BEGIN SOLUTION TODO(task 1): write sparsity_at
-    if config.warmup_stage_steps == 0:
-        return config.sparsity
-    stage = step // config.warmup_stage_steps
-    if stage < len(config.warmup_sparsities):
-        return config.warmup_sparsities[stage]
-    return config.sparsity
+    stages = config.warmup_sparsities if config.warmup_stage_steps > 0 else ()
+    stage = step // config.warmup_stage_steps if stages else 0
+    return stages[stage] if stage < len(stages) else config.sparsity
     ### END SOLUTION
 
 
@@ -192,11 +189,10 @@ def clip_local(grad: torch.Tensor, clip_norm: float, world_size: int) -> torch.T
     """
     # TODO(task 2): the threshold, the norm, and a comparison.
     ### BEGIN SOLUTION TODO(task 2): write clip_local
-    threshold = clip_norm / math.sqrt(world_size)
     norm = torch.linalg.vector_norm(grad)
-    if norm > threshold:
-        return grad * (threshold / norm)
-    return grad.clone()
+    limit = clip_norm / math.sqrt(world_size)
+    too_long = bool(norm > limit)
+    return grad * (limit / norm) if too_long else grad.clone()
     ### END SOLUTION
 
 
@@ -257,16 +253,17 @@ def compress_step(
     # TODO(task 4): clip (if clip_norm), u = m u + g, v += u, select, take the values, zero v
     # and u at the indices, count the step.
     ### BEGIN SOLUTION TODO(task 4): write compress_step
-    g = clip_local(grad, config.clip_norm, world_size) if config.clip_norm is not None else grad
-    state.velocity.mul_(config.momentum).add_(g)
-    state.accumulated.add_(state.velocity)
-    k = slots_for(grad.numel(), sparsity_at(state.step, config))
-    indices = select_indices(state.accumulated, k, config, generator)
-    values = state.accumulated[indices].clone()
-    state.accumulated[indices] = 0.0
-    state.velocity[indices] = 0.0
+    if config.clip_norm is not None:
+        grad = clip_local(grad, config.clip_norm, world_size)
+    u, v = state.velocity, state.accumulated
+    u.mul_(config.momentum).add_(grad)  # momentum correction: the velocity...
+    v.add_(u)  # ...is what accumulates
+    keep = select_indices(v, slots_for(v.numel(), sparsity_at(state.step, config)), config, generator)
+    sent = v.index_select(0, keep)  # a copy
+    v.index_fill_(0, keep, 0.0)  # error feedback: only what was sent leaves v
+    u.index_fill_(0, keep, 0.0)  # momentum factor masking
     state.step += 1
-    return indices, values
+    return keep, sent
     ### END SOLUTION
 
 
@@ -323,11 +320,11 @@ class DGCHook:
         if self.generator is None:
             self.generator = torch.Generator()
             self.generator.manual_seed(self.config.seed * 1000 + comm.rank)
-        state = self.states.get(bucket_index)
-        if state is None:
-            state = self.states[bucket_index] = DGCState.zeros_like(flat_grad)
-        k = slots_for(flat_grad.numel(), sparsity_at(state.step, self.config))
-        indices, values = compress_step(state, flat_grad, self.config, comm.world_size, self.generator)
-        work = md.allgather(comm, pack(indices, values.float(), k), async_op=True)
-        return SparseWork(work, flat_grad.numel(), comm.world_size)
+        if bucket_index not in self.states:
+            self.states[bucket_index] = DGCState.zeros_like(flat_grad)
+        state = self.states[bucket_index]
+        slots = slots_for(flat_grad.numel(), sparsity_at(state.step, self.config))
+        chosen, values = compress_step(state, flat_grad, self.config, comm.world_size, self.generator)
+        payload = pack(chosen, values.to(torch.float32), slots)
+        return SparseWork(md.allgather(comm, payload, async_op=True), flat_grad.numel(), comm.world_size)
         ### END SOLUTION

@@ -90,8 +90,8 @@ def build_dict() -> dict[str, dict[str, bytes]]:
     solution = SOLUTION.read_text()
     bob = edit(
         solution,
-        "    state.accumulated[indices] = 0.0\n",
-        "    state.accumulated.zero_()  # start afresh every step\n",
+        "    v.index_fill_(0, keep, 0.0)  # error feedback: only what was sent leaves v\n",
+        "    v.zero_()  # start afresh every step\n",
     )
     select_start = "    ### BEGIN SOLUTION TODO(task 3): write select_indices\n"
     begin = solution.index(select_start) + len(select_start)
@@ -99,13 +99,14 @@ def build_dict() -> dict[str, dict[str, bytes]]:
     carol = solution[:begin] + EXACT_TOP_K + solution[end:]
     dave = edit(
         solution,
-        "    state.velocity.mul_(config.momentum).add_(g)\n    state.accumulated.add_(state.velocity)\n",
-        "    state.accumulated.add_(g)\n",
+        "    v.add_(u)  # ...is what accumulates\n",
+        "    v.add_(grad)  # the gradient accumulates\n",
     )
     erin = edit(
         solution,
-        "        state = self.states.get(bucket_index)\n",
-        "        state = self.states[bucket_index]\n",
+        "        if bucket_index not in self.states:\n"
+        "            self.states[bucket_index] = DGCState.zeros_like(flat_grad)\n",
+        "",
     )
     frank = edit(
         solution,
