@@ -199,12 +199,13 @@ def test_sparse_allgather_equals_a_dense_reference_sum(transport):
             torch.testing.assert_close(outs[rank][step], want / p, rtol=0, atol=1e-7)
 
 
-@pytest.mark.parametrize("transport", ["shm", "pipe"])
-def test_dgc_sparsity_zero_with_momentum_correction_equals_momentum_sgd(transport):
+@pytest.mark.parametrize(("transport", "bucket_mb"), [("shm", w.SEVERAL_BUCKETS_MB), ("pipe", math.inf)])
+def test_dgc_sparsity_zero_with_momentum_correction_equals_momentum_sgd(transport, bucket_mb):
     """Everything sent (sparsity 0, no masking): u is momentum SGD's buffer per rank, and the
     average of the ranks' u is the momentum of the average gradient. DDP on 2 ranks with plain
-    SGD == one process with SGD(momentum=0.9), up to float rounding."""
-    cfg = w.config(steps=4, lr=0.05)
+    SGD == one process with SGD(momentum=0.9), up to float rounding (with several buckets,
+    launched while backward runs, each with its own state)."""
+    cfg = w.config(steps=4, lr=0.05, bucket_mb=bucket_mb)
     config = dgc.DGCConfig(sparsity=0.0, momentum=0.9, momentum_masking=False)
     outs = md.launch(cw.train_with_hook, 2, args=(cfg, "dgc", 0.0, config), transport=transport, timeout=90)
     want = cw.train_single_sgd(cfg, momentum=0.9)
