@@ -270,3 +270,23 @@ def test_bench_experiment_counts_bert_bytes_against_the_formulas():
         assert math.isfinite(r["loss"])
     assert by_label["DGC"]["ratio"] >= 100
     assert by_label["dense"]["formula_bytes"] == traffic.dense_ring_bytes(result["numel"], 2)
+
+
+@pytest.mark.gpu
+def test_dgc_step_sparse_sum_and_sign_bits_on_cuda_equal_cpu():
+    """The compressors are device-agnostic tensor code: on a GPU they give the CPU's result."""
+    n, config = 20_000, dgc.DGCConfig(sparsity=0.99, sample_ratio=1.0)
+    cpu, gpu = dgc.DGCState.zeros_like(torch.zeros(n)), dgc.DGCState.zeros_like(torch.zeros(n, device="cuda"))
+    for step in range(3):
+        grad = cw.rank_vector(0, n, seed=step)
+        indices, values = dgc.compress_step(cpu, grad, config, 2, None)
+        indices_gpu, values_gpu = dgc.compress_step(gpu, grad.cuda(), config, 2, None)
+        assert torch.equal(indices, indices_gpu.cpu())
+        torch.testing.assert_close(values, values_gpu.cpu())
+        k = dgc.slots_for(n, 0.99)
+        payload = torch.stack([dgc.pack(indices_gpu, values_gpu, k)] * 2)
+        torch.testing.assert_close(dgc.sum_sparse(payload, n).cpu(), 2 * dense_of(indices, values, n))
+    signs = cw.rank_vector(1, 1001)
+    packed = baselines.pack_signs(signs.cuda())
+    assert torch.equal(packed.cpu(), baselines.pack_signs(signs))
+    assert torch.equal(baselines.unpack_signs(packed, 1001).cpu(), torch.where(signs >= 0, 1.0, -1.0))

@@ -50,12 +50,12 @@ class CompressionBench:
     world_size: int = 2
     batch: int = 8
     seq: int = 64
-    steps: int = 150
+    steps: int = 120
     lr: float = 0.1
     momentum: float = 0.9
     clip_norm: float = 1.0
     sparsity: float = 0.999
-    warmup_stage_steps: int = 10
+    warmup_stage_steps: int = 8
     loss_window: int = 20
     timing_steps: int = 6
     slow_link_gbps: float = 1.0  # the second timing run's link (0: skip it)
