@@ -10,10 +10,10 @@ n entries, N ranks, k slots of DGC::
 
 The ring allreduce's chunks may differ by one entry between ranks, so its
 formula holds for the average over ranks; the allgathers' hold for every rank.
-At 99.9% sparsity (k = n/1000), DGC over the dense ring is 4(N-1)/N n vs
-8(N-1) n/1000: 500x fewer bytes for 2 ranks, 375x for 4, and the advantage
-shrinks as 1/N -- at N = 1000 ranks allgathering the sparse vectors costs as
-much as the dense allreduce.
+At 99.9% sparsity (k = n/1000) the dense ring sends 8(N-1)/N n bytes and DGC
+8(N-1) n/1000: 1000/N times fewer -- 500x for 2 ranks, 250x for 4 -- and the
+advantage shrinks as 1/N: at N = 1000 ranks allgathering the sparse vectors
+costs as much as the dense allreduce.
 """
 
 from __future__ import annotations
