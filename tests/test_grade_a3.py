@@ -9,6 +9,7 @@ scores on a subset of the hidden tests that tells them all apart (one batch, ``-
 from __future__ import annotations
 
 import csv
+import importlib
 import json
 import os
 import subprocess
@@ -184,3 +185,16 @@ def test_the_run_time_guard_refuses_both_ddps_and_leaves_the_rest_alone(tmp_path
         [sys.executable, str(probe)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("assignment", ["a1_collectives", "a2_async", "a3_ddp", "a4_compression"])
+def test_given_functions_name_functions_of_the_solution(assignment):
+    # similarity skips the given functions by the names it gives them (``Class.method`` for
+    # methods); a bare method name would never match and the given code would be compared
+    package = importlib.import_module(f"grader.{assignment}")
+    grading_module = importlib.import_module(f"grader.{assignment}.grading")
+    root = Path(__file__).resolve().parents[1] / "solutions" / assignment
+    names = set()
+    for student_file in package.STUDENT_FILES:
+        names |= set(similarity.functions((root / student_file).read_text()))
+    assert set(grading_module.GIVEN_FUNCTIONS) <= names, set(grading_module.GIVEN_FUNCTIONS) - names
