@@ -111,3 +111,23 @@ def large_allreduce_after_peers_left(comm):
     except PeerError as error:
         return "PeerError", str(error)
     return "no error", ""
+
+
+def shm_then_plain_same_tensor(comm, rounds: int) -> int:
+    """An shm allreduce, then at once a ring allreduce of a tensor of the same shape, many times;
+    rank 0 sometimes dawdles, so the others wait in the shm barrier while a fast peer's first
+    ring message is already there (it belongs to the next call, not to a disagreement)."""
+    import random
+    import time
+
+    import minidist as md
+
+    pause = random.Random(comm.rank)
+    for _ in range(rounds):
+        if comm.rank == 0 and pause.random() < 0.3:
+            time.sleep(0.004)  # long enough for the waiters to reach the sleeping phase
+        x = torch.ones(1000)
+        md.allreduce(comm, x)  # the shm path
+        md.allreduce(comm, torch.ones(1000), algorithm="ring")
+        assert torch.equal(x, torch.full((1000,), float(comm.world_size)))
+    return rounds

@@ -314,6 +314,13 @@ def test_ranks_that_disagree_get_a_mismatch_naming_them(transport, world_size, k
     assert "same" in info.value.summary  # says what to do
 
 
+def test_a_plain_allreduce_right_after_an_shm_one_is_not_a_disagreement():
+    # a rank still waiting in the shm barrier may already hold a fast peer's first message of
+    # the next (ring) allreduce of the same shape: it must not take it for a disagreement
+    outs = md.launch(shm_workers.shm_then_plain_same_tensor, 3, args=(150,), transport="shm", timeout=90)
+    assert outs == [150, 150, 150]
+
+
 def test_without_shortcuts_takes_the_point_to_point_path():
     p, numel = 3, 1000
     outs = md.launch(peer_workers.plain_and_shortcut_allreduce, p, args=(numel,), transport="shm", timeout=60)

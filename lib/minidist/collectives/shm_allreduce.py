@@ -96,16 +96,22 @@ def _state(workspace: SharedWorkspace) -> _State:
     return state
 
 
-def _look_for_message_algorithms(comm, tensor: torch.Tensor, op: str) -> None:
+def _look_for_message_algorithms(comm, tensor: torch.Tensor, op: str, flags=None, epoch: int = 0) -> None:
     """Called while waiting at the barrier: is a peer running a point-to-point
-    allreduce of the same tensor instead? Its first message to us would say so."""
+    allreduce of the same tensor instead? Its first message to us would say so.
+
+    Such a message may also belong to the *next* call (a fast peer that has passed
+    this barrier and started a plain allreduce of the same tensor), so it counts as a
+    disagreement only while some peer has still not reached this barrier (``flags``
+    below ``epoch``, read after the message): a peer stuck in another algorithm never does.
+    """
     peek = getattr(comm, "peek_tag", None)
     if peek is None:
         return
     theirs = {signature_tag("allreduce", tensor, op, a): a for a in MESSAGE_ALGORITHMS}
     for peer in range(comm.world_size):
         tag = peek(peer) if peer != comm.rank else None
-        if tag in theirs:
+        if tag in theirs and (flags is None or any(flag.value < epoch for flag in flags)):
             raise MessageMismatch(
                 f"allreduce: the ranks do not agree: rank {comm.rank} runs algorithm 'shm', but "
                 f"rank {peer} sent it a message of allreduce with algorithm {theirs[tag]!r}. "
@@ -120,7 +126,7 @@ def _barrier(comm, state: _State, tensor: torch.Tensor, op: str) -> None:
     workspace.flags[comm.rank].value = epoch
     for peer, flag in enumerate(workspace.flags):
         if flag.value < epoch:  # the check is built only now: nothing to pay when nobody waits
-            check = functools.partial(_look_for_message_algorithms, comm, tensor, op)
+            check = functools.partial(_look_for_message_algorithms, comm, tensor, op, workspace.flags, epoch)
             comm.wait_at_least(flag, epoch, peer, "the shm allreduce barrier: waiting for", check)
 
 

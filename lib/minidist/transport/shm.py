@@ -233,6 +233,10 @@ class MailboxComm(Communicator):
         pause = 0.0
         while counter.value < value:
             time.sleep(pause)
+            if counter.value >= value:
+                # done while we slept: return before check(), which would otherwise look at
+                # the peers' next messages and could take them for a disagreement
+                return
             now = time.monotonic()
             if now - start > 0.002:  # nothing for 2 ms: stop burning the CPU
                 pause = min(1e-3, max(pause * 2, 2e-5))
