@@ -456,10 +456,21 @@ def add_parser(sub) -> None:
     parser.add_argument("--seq", type=int, default=CompressionBench.seq)
     parser.add_argument("--warmup-stage-steps", type=int, default=CompressionBench.warmup_stage_steps)
     parser.add_argument("--no-timing", action="store_true", help="skip the shm timing run")
+    parser.add_argument(
+        "--no-averaging",
+        action="store_true",
+        help="skip the first table: who averages (central PS, sharded PS, ring, BytePS; "
+        "`python -m minidist.bench averaging` runs it alone, with the stragglers)",
+    )
     parser.add_argument("--out", default=None)
 
 
 def main(args) -> None:
+    if not args.no_averaging:  # the order: who averages first, then what is sent
+        from . import averaging
+
+        averaging.run(averaging.AveragingBench(), args.out, stragglers=False)
+        print()
     cfg = CompressionBench(
         model=args.model,
         steps=args.steps,
