@@ -19,7 +19,12 @@ tree -- it never runs it -- and returns the first ``Refusal`` (line, what, why) 
 * attribute names computed at run time (``getattr(x, name)``, ``setattr``, ``delattr``), private
   attributes of objects that are not the submission's own (``self`` is its own only as the
   first parameter of a method of its own class, never reassigned), and the communicator
-  wrapper's ``_comm``/``_traffic`` on any object.
+  wrapper's ``_comm``/``_traffic`` on any object;
+* assigning or deleting an attribute or an item of something the file imported, or of a class
+  reached through a call (``time.perf_counter_ns = f``, ``F.cross_entropy = f``,
+  ``md.cost_model.DEFAULTS["shm"] = m``, ``type(comm).stats = ...``, ``setattr(torch, "x", f)``):
+  the grader's own code in the sandbox uses those modules too, and a patched clock or loss
+  would forge its evidence.
 
 It is a filter for the obvious, not a proof: attribute names computed at run time are refused,
 but a library function reached through another module that imports it
@@ -206,7 +211,45 @@ class _Checker:
             self.refuse(node, ast.unparse(node), "a private attribute of an object that is not yours")
         self._check_reference(node)
 
+    def store(self, target: ast.expr) -> None:
+        """An assignment or deletion target: nothing imported may be changed (module doc)."""
+        if isinstance(target, (ast.Tuple, ast.List)):
+            for element in target.elts:
+                self.store(element)
+            return
+        if isinstance(target, ast.Starred):
+            self.store(target.value)
+            return
+        if not isinstance(target, (ast.Attribute, ast.Subscript)):
+            return
+        if why := self._shared_root(target):
+            self.refuse(target, ast.unparse(target)[:80], why)
+
+    def _shared_root(self, node: ast.expr) -> str | None:
+        """Why changing something reached through ``node``'s chain would change shared code, or None."""
+        root = node
+        while isinstance(root, (ast.Attribute, ast.Subscript)):
+            root = root.value
+        if isinstance(root, ast.Name) and root.id in self.aliases:
+            return (
+                f"it changes {root.id} ({self.aliases[root.id]}), which the file imported: the grader's "
+                "code uses it too; keep your state in your own objects"
+            )
+        if isinstance(root, ast.Call):
+            return "it changes an object reached through a call (a class, say), which other code shares"
+        return None
+
     def call(self, node: ast.Call) -> None:
+        if (
+            isinstance(node.func, ast.Name)
+            and node.func.id in ("setattr", "delattr")
+            and node.args
+            and node.func.id not in self.aliases
+        ):
+            target = node.args[0]
+            why = self._shared_root(ast.Attribute(value=target, attr="x", ctx=ast.Store()))
+            if why:
+                self.refuse(node, ast.unparse(node)[:80], why)
         if not (isinstance(node.func, ast.Name) and node.func.id in ATTRIBUTE_BUILTINS):
             return
         if not _is_literal_attribute_call(node):
@@ -326,6 +369,14 @@ def check(source: str | bytes, rules: Rules, filename: str = "<submission>") -> 
         elif isinstance(node, ast.ImportFrom):
             checker.import_from(node)
     docstrings = _docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.Delete)):
+            for target in node.targets:
+                checker.store(target)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.AsyncFor)):
+            checker.store(node.target)
+        elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+            checker.store(node.optional_vars)
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
             checker.attribute(node)

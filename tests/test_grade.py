@@ -171,6 +171,13 @@ REFUSED = {  # source -> what the refusal must name
     "def f(comm):\n    comm.__init__(None)\n": "comm.__init__",
     "def super():\n    return 0\nclass A:\n    def __init__(self):\n        super().__init__()\n": "__init__",
     "class A:\n    def m(self, super):\n        super().__init__()\n": "__init__",
+    # changing what the file imported: the grader's code in the sandbox uses it too
+    "import time\ntime.perf_counter_ns = lambda: 0\n": "time.perf_counter_ns",
+    "import torch.nn.functional as F\nF.cross_entropy = None\n": "F.cross_entropy",
+    "import minidist as md\nmd.cost_model.DEFAULTS['shm'] = 1\n": "DEFAULTS",
+    "def f(comm):\n    type(comm).stats = property(lambda s: 0)\n": "type(comm).stats",
+    "import torch\nsetattr(torch, 'add', None)\n": "setattr(torch",
+    "import time\ndel time.sleep\n": "time.sleep",
 }
 ALLOWED = [
     "import os\nos._exit(0)\n",
@@ -179,6 +186,7 @@ ALLOWED = [
     "class Ring:\n    def __init__(self):\n        self._chunks = []\n",
     "class Ring:\n    def size(self):\n        return len(self._chunks)\n",
     "import torch\nclass Net(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n",
+    "class Bucket:\n    def done(self, b):\n        self.count -= 1\n        b.views[0] = 3\n",
     "def f(comm):\n    return getattr(comm, 'rank')\n",
     '"""Docstrings may say minidist.collectives.ring; they are prose."""\n',
     # another module's import of a library function: the intake cannot resolve it, the guard's job
