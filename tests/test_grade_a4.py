@@ -154,6 +154,67 @@ def test_reference_sparsity_equals_the_library():
         ]
 
 
+# --- the checks that cheats met --------------------------------------------------------------------
+def _converges_spec() -> dict:
+    return next(t for t in grading.graded_tests(0) if t.name == "test_converges[2-shm]").job.args[0]
+
+
+def _compressed_report(spec: dict, params: dict, function: str = "allgather") -> dict:
+    """A rank's report that sends exactly what DGC sends (one bucket), holding ``params``."""
+    numel = sum(p.numel() for p in params.values())
+    calls, hooks = [], []
+    for step in range(spec["steps"]):
+        k = reference.slots(numel, reference.sparsity(step, spec["config"]))
+        calls.append({"phase": step, "function": function, "bytes": 8 * k, "async_op": True})
+        hooks.append([step, 0, numel])
+    return {"params": params, "loss": 0.0, "calls": calls, "hooks": hooks, "sent": []}
+
+
+def test_the_convergence_check_recomputes_the_loss_and_requires_compression():
+    spec = _converges_spec()
+    start = {name: p.detach().clone() for name, p in workers.make_model(spec).named_parameters()}
+    check = reference.convergence_check("c", spec, hidden.CONVERGENCE_FACTOR)
+    with pytest.raises(AssertionError, match="the loss is"):  # reported loss 0.0, untrained parameters
+        check([_compressed_report(spec, start)] * 2)
+    with pytest.raises(AssertionError, match="allreduce"):  # a dense hook
+        check([_compressed_report(spec, start, "allreduce")] * 2)
+    broken = {**start, "out.bias": torch.full_like(start["out.bias"], float("nan"))}
+    with pytest.raises(AssertionError, match="NaN"):
+        check([_compressed_report(spec, broken)] * 2)
+    with pytest.raises(AssertionError, match="names differ"):
+        check([_compressed_report(spec, {"w": torch.zeros(3)})] * 2)
+    # the recomputed loss is the loss of those parameters
+    assert reference.loss_of_params(spec, start) == pytest.approx(reference.initial_loss(spec))
+
+
+def test_the_error_feedback_check_refuses_a_step_that_sends_nothing():
+    name = "test_error_feedback_loses_nothing"
+    spec = next(t for t in grading.graded_tests(0) if t.name == name).job.args[0]
+    grads = workers.gradient_sequence(spec)
+    empty = {"indices": torch.zeros(0, dtype=torch.long), "values": torch.zeros(0, dtype=torch.float64)}
+    mass_kept = {"steps": [empty] * spec["steps"], "accumulated": torch.stack(grads).sum(0)}
+    with pytest.raises(AssertionError, match="between 1 and"):
+        reference.feedback_check("f", spec)([mass_kept])
+    twice = {"indices": torch.tensor([3, 3]), "values": torch.zeros(2, dtype=torch.float64)}
+    with pytest.raises(AssertionError, match="distinct"):
+        reference.feedback_check("f", spec)([{**mass_kept, "steps": [twice] * spec["steps"]}])
+    zeros = {"indices": torch.tensor([3]), "values": torch.zeros(1, dtype=torch.float64)}
+    with pytest.raises(AssertionError, match="every value sent was 0"):
+        reference.feedback_check("f", spec)([{**mass_kept, "steps": [zeros] * spec["steps"]}])
+
+
+def test_the_collective_log_reads_async_op_by_position_and_by_keyword():
+    def allgather(comm, tensor, algorithm="auto", async_op=False):
+        return tensor
+
+    log = workers.CollectiveLog()
+    wrapped = log._wrap("allgather", allgather)
+    wrapped(None, torch.zeros(4), "auto", True)
+    wrapped(None, torch.zeros(4), async_op=True)
+    wrapped(None, torch.zeros(2, dtype=torch.float64))
+    assert [(c["bytes"], c["async_op"]) for c in log.calls] == [(16, True), (16, True), (16, False)]
+
+
 # --- intake and run time ---------------------------------------------------------------------------
 def test_the_intake_check_accepts_the_solution_and_refuses_the_library_compressor():
     rules = grading.FORBIDDEN

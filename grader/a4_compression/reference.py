@@ -97,9 +97,10 @@ def sequence(spec: dict) -> dict:
 
 def simulate(spec: dict) -> tuple[dict, float]:
     """DDP with DGC on ``spec["ranks"]`` ranks, simulated in one process (one bucket: the whole
-    model; the sample must be every entry, so the order of the parameters in it does not
-    matter): every rank's local gradient, compressed with its own state; the sparse vectors
-    added in rank order, divided by N; SGD. Returns (parameters, final loss)."""
+    model, its parameters in the order DDP fills a bucket, last first; rank r samples with a
+    generator seeded ``config.seed * 1000 + r``, as the hook's): every rank's local gradient,
+    compressed with its own state; the sparse vectors added in rank order, divided by N; SGD.
+    Returns (parameters, final loss)."""
     model = workers.make_model(spec)
     x, y = workers.make_data(spec)
     params = [p for _, p in reversed(list(model.named_parameters()))]
@@ -254,16 +255,36 @@ def sequence_check(what: str, spec: dict):
 
 def feedback_check(what: str, spec: dict):
     """Error feedback loses nothing: with momentum 0 and no clipping, everything sent plus the
-    final accumulation equals the sum of the gradients (whatever was chosen)."""
+    final accumulation equals the sum of the gradients (whatever was chosen). So that sending
+    nothing does not pass: every step sends between 1 and k distinct indices (k of that step),
+    and something nonzero is sent over the sequence."""
 
     def check(outs: list) -> None:
         got = outs[0]
         total = torch.stack(workers.gradient_sequence(spec)).sum(0)
+        if not isinstance(got["accumulated"], torch.Tensor) or got["accumulated"].shape != total.shape:
+            raise AssertionError(f"{what}: state.accumulated is not a tensor of shape {tuple(total.shape)}")
         delivered = got["accumulated"].to(torch.float64).clone()
+        sent_something = False
         for step, mine in enumerate(got["steps"]):
             where = f"{what}: step {step}"
-            indices = torch.tensor(_as_index_list(where, mine["indices"]), dtype=torch.long)
-            delivered.index_add_(0, indices, mine["values"].to(torch.float64))
+            chosen = _as_index_list(where, mine["indices"])
+            k = slots(spec["n"], sparsity(step, spec["config"]))
+            if not 1 <= len(chosen) <= k or len(set(chosen)) != len(chosen):
+                raise AssertionError(
+                    f"{where}: {len(chosen)} indices ({len(set(chosen))} distinct); send between 1 and "
+                    f"k = {k} distinct indices"
+                )
+            if not all(0 <= i < spec["n"] for i in chosen):
+                raise AssertionError(f"{where}: an index outside 0..{spec['n'] - 1}")
+            values = mine["values"]
+            if not isinstance(values, torch.Tensor) or values.shape != (len(chosen),):
+                raise AssertionError(f"{where}: expected one value per index")
+            sent_something = sent_something or bool((values != 0).any())
+            indices = torch.tensor(chosen, dtype=torch.long)
+            delivered.index_add_(0, indices, values.to(torch.float64))
+        if not sent_something:
+            raise AssertionError(f"{what}: every value sent was 0; send v at the chosen indices")
         assert_close(f"{what}: (everything sent) + (what is left in v)", delivered, total, 1e-9, 1e-12)
 
     return check
@@ -282,6 +303,31 @@ def simulation_check(what: str, spec: dict):
     return check
 
 
+def _check_sends(where: str, out: dict, step: int, config: dict) -> list[int]:
+    """One rank, one step: the hook ran, and every collective in backward is an asynchronous
+    allgather of 8 k bytes, one per hook call (k of that bucket and step). Returns those sizes."""
+    hooks = [h for h in out["hooks"] if h[0] == step]
+    if not hooks:
+        raise AssertionError(f"{where}: DDP never called the hook")
+    expected = sorted(8 * slots(numel, sparsity(step, config)) for _, _, numel in hooks)
+    calls = [c for c in out["calls"] if c["phase"] == step]
+    others = sorted({c["function"] for c in calls if c["function"] != "allgather"})
+    if others:
+        raise AssertionError(f"{where}: the hook called {others}; DGC sends by one allgather per bucket only")
+    got = sorted(c["bytes"] for c in calls)
+    if got != expected:
+        raise AssertionError(
+            f"{where} (sparsity {sparsity(step, config)}): allgathers of {got} bytes, expected one per "
+            f"bucket of 8 k bytes: {expected}"
+        )
+    if not all(c["async_op"] for c in calls):
+        raise AssertionError(
+            f"{where}: an allgather with async_op=False blocks backward; launch it with "
+            "async_op=True and wait in SparseWork.wait()"
+        )
+    return expected
+
+
 def bytes_check(what: str, spec: dict):
     """Every rank, every step: one asynchronous allgather of 8 k bytes per hook call (k of that
     step), no other collective in backward, and the transport sent (N - 1) * 8 k bytes per bucket."""
@@ -290,49 +336,59 @@ def bytes_check(what: str, spec: dict):
     def check(outs: list) -> None:
         for rank, out in enumerate(outs):
             for step in range(spec["steps"]):
-                hooks = [h for h in out["hooks"] if h[0] == step]
-                if not hooks:
-                    raise AssertionError(f"{what}: rank {rank}, step {step}: DDP never called the hook")
-                expected = sorted(8 * slots(numel, sparsity(step, spec["config"])) for _, _, numel in hooks)
-                calls = [c for c in out["calls"] if c["phase"] == step]
-                others = sorted({c["function"] for c in calls if c["function"] != "allgather"})
-                if others:
-                    raise AssertionError(
-                        f"{what}: rank {rank}, step {step}: the hook called {others}; DGC sends by "
-                        "one allgather per bucket only"
-                    )
-                got = sorted(c["bytes"] for c in calls)
-                if got != expected:
-                    raise AssertionError(
-                        f"{what}: rank {rank}, step {step} (sparsity {sparsity(step, spec['config'])}): "
-                        f"allgathers of {got} bytes, expected one per bucket of 8 k bytes: {expected}"
-                    )
-                if not all(c["async_op"] for c in calls):
-                    raise AssertionError(
-                        f"{what}: rank {rank}, step {step}: an allgather with async_op=False blocks "
-                        "backward; launch it with async_op=True and wait in SparseWork.wait()"
-                    )
+                where = f"{what}: rank {rank}, step {step}"
+                expected = _check_sends(where, out, step, spec["config"])
                 wire = (ranks - 1) * sum(expected)
                 if out["sent"][step] != wire:
                     raise AssertionError(
-                        f"{what}: rank {rank}, step {step}: the transport sent {out['sent'][step]} bytes in "
+                        f"{where}: the transport sent {out['sent'][step]} bytes in "
                         f"backward, expected {wire} ((N-1) x 8 k per bucket, the ring allgather)"
                     )
 
     return check
 
 
+def loss_of_params(spec: dict, params) -> float:
+    """The loss on the whole data set of ``make_model(spec)`` holding ``params`` (a rank's
+    report), computed here; raises ``AssertionError`` if they are not the model's parameters
+    (names, shapes) or not finite."""
+    model = workers.make_model(spec)
+    own = dict(model.named_parameters())
+    if not isinstance(params, dict) or set(params) != set(own):
+        raise AssertionError("the parameters' names differ from the model's")
+    with torch.no_grad():
+        for name, p in own.items():
+            value = params[name]
+            if not isinstance(value, torch.Tensor) or value.shape != p.shape:
+                raise AssertionError(f"'{name}' is not a tensor of shape {tuple(p.shape)}")
+            if not torch.isfinite(value).all():
+                raise AssertionError(f"'{name}' holds NaN or inf")
+            p.copy_(value.to(p.dtype))
+        x, y = workers.make_data(spec)
+        return float(torch.nn.functional.cross_entropy(model(x), y))
+
+
 def convergence_check(what: str, spec: dict, factor: float):
-    """The DGC run's final loss is at most ``factor`` times dense momentum SGD's (same batches)."""
+    """Something was compressed (every step: the collectives of ``bytes_check``, one
+    asynchronous allgather of 8 k bytes per bucket, nothing else), and every rank's final
+    parameters reach a loss, computed here from them, at most ``factor`` times dense momentum
+    SGD's (same batches)."""
 
     def check(outs: list) -> None:
+        for rank, out in enumerate(outs):
+            for step in range(spec["steps"]):
+                _check_sends(f"{what}: rank {rank}, step {step}", out, step, spec["config"])
         dense, start = dense_momentum_sgd(spec), initial_loss(spec)
-        loss = outs[0]["loss"]
-        if not isinstance(loss, float) or not loss <= factor * dense:
-            raise AssertionError(
-                f"{what}: after {spec['steps']} steps the loss is {loss:.4g} (it started at {start:.4g}); "
-                f"it must be at most {factor:g} x the loss dense momentum SGD reaches on the same batches "
-                "(missing error feedback or momentum correction shows here)"
-            )
+        for rank, out in enumerate(outs):
+            try:
+                loss = loss_of_params(spec, out["params"])
+            except AssertionError as error:
+                raise AssertionError(f"{what}: rank {rank}: {error}") from None
+            if not loss <= factor * dense:
+                raise AssertionError(
+                    f"{what}: rank {rank}: after {spec['steps']} steps the loss is {loss:.4g} (it started "
+                    f"at {start:.4g}); it must be at most {factor:g} x the loss dense momentum SGD reaches "
+                    "on the same batches (missing error feedback or momentum correction shows here)"
+                )
 
     return check

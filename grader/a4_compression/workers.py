@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
+import math
 
 import torch
 from torch import nn
@@ -34,6 +36,18 @@ else:  # in the grading sandbox, where these files are copied side by side
 
 STUDENT_MODULE = "dgc"
 COLLECTIVES = ("allgather", "allreduce", "broadcast", "reduce", "reduce_scatter")
+
+# What the instruments and the reports rely on, bound now: this module is imported before the
+# student's, so a submission that reassigns one of these later does not change what we measure.
+# (The final loss of a training run is not trusted anyway: the grader recomputes it from the
+# reported parameters, in its own process.)
+_CROSS_ENTROPY = nn.functional.cross_entropy
+_NUMEL = torch.Tensor.numel
+_ELEMENT_SIZE = torch.Tensor.element_size
+_EQUAL = torch.equal
+_CLONE = torch.Tensor.clone
+_DETACH = torch.Tensor.detach
+_IS_TENSOR = torch.is_tensor
 
 
 # --- the grader's instruments ------------------------------------------------------------------
@@ -59,15 +73,23 @@ class CollectiveLog:
                     setattr(owner, name, wrapped)
 
     def _wrap(self, name: str, original):
+        signature = inspect.signature(original)
+
         @functools.wraps(original)
         def collective(comm, tensor, *args, **kwargs):
-            is_tensor = isinstance(tensor, torch.Tensor)
+            is_tensor = _IS_TENSOR(tensor)
+            try:  # async_op given by keyword or by position, or left to its default
+                bound = signature.bind(comm, tensor, *args, **kwargs)
+                bound.apply_defaults()
+                async_op = bool(bound.arguments.get("async_op", False))
+            except TypeError:  # the call itself is wrong: the collective raises below
+                async_op = False
             self.calls.append(
                 {
                     "phase": self.phase,
                     "function": name,
-                    "bytes": int(tensor.numel() * tensor.element_size()) if is_tensor else -1,
-                    "async_op": bool(kwargs.get("async_op", False)),
+                    "bytes": int(_NUMEL(tensor) * _ELEMENT_SIZE(tensor)) if is_tensor else -1,
+                    "async_op": async_op,
                 }
             )
             return original(comm, tensor, *args, **kwargs)
@@ -151,7 +173,7 @@ def batch_rows(spec: dict, step: int, rank: int) -> slice:
 
 
 def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(x), y)
+    return _CROSS_ENTROPY(model(x), y)
 
 
 # --- jobs --------------------------------------------------------------------------------------
@@ -192,11 +214,9 @@ def sequence(comm, spec: dict) -> dict:
     generator = torch.Generator().manual_seed(spec["sample_seed"])
     steps = []
     for grad in grads:
-        before = grad.clone()
+        before = _CLONE(grad)
         indices, values = dgc.compress_step(state, grad, config, spec["world_size"], generator)
-        steps.append(
-            {"indices": indices, "values": values, "grad_unchanged": bool(torch.equal(before, grad))}
-        )
+        steps.append({"indices": indices, "values": values, "grad_unchanged": bool(_EQUAL(before, grad))})
     return {
         "steps": steps,
         "velocity": state.velocity,
@@ -207,7 +227,8 @@ def sequence(comm, spec: dict) -> dict:
 
 def train(comm, spec: dict) -> dict:
     """The library's DDP with the student's hook trains ``make_model`` with SGD (no momentum)
-    for ``steps`` steps; report the parameters, the final loss, the collectives and bytes."""
+    for ``steps`` steps; report the parameters, the collectives and bytes. (The loss reported
+    is for information only: the grader recomputes it from the parameters.)"""
     dgc = student()
     model = make_model(spec)
     x, y = make_data(spec)
@@ -216,7 +237,7 @@ def train(comm, spec: dict) -> dict:
     phase = {"step": None}
 
     def instrumented(comm_, flat_grad, bucket_index):
-        hook_calls.append([phase["step"], int(bucket_index), int(flat_grad.numel())])
+        hook_calls.append([phase["step"], int(bucket_index), int(_NUMEL(flat_grad))])
         return hook(comm_, flat_grad, bucket_index)
 
     wrapped = md.DistributedDataParallel(model, comm, bucket_mb=spec["bucket_mb"], comm_hook=instrumented)
@@ -236,8 +257,8 @@ def train(comm, spec: dict) -> dict:
     with torch.no_grad():
         final = float(loss_of(model, x, y))
     return {
-        "params": {name: p.detach().clone() for name, p in model.named_parameters()},
-        "loss": final,
+        "params": {name: _CLONE(_DETACH(p)) for name, p in model.named_parameters()},
+        "loss": final if math.isfinite(final) else None,
         "calls": list(_LOG.calls),
         "hooks": hook_calls,
         "sent": sent,

@@ -18,7 +18,19 @@
 * ``erin``: crashes: the hook looks its bucket's state up before making it (a KeyError in the
   first hook call): every test of the hook fails, tasks 1-4 keep their points;
 * ``frank``: hands the selection to the library's ``select_indices``
-  (``minidist.parallel.compression``): refused at intake, status ``forbidden``.
+  (``minidist.parallel.compression``): refused at intake, status ``forbidden``;
+* ``gina``: dave's run (no momentum correction) that hides its loss: she replaces
+  ``torch.nn.functional.cross_entropy`` by one returning 0 whenever autograd is off (the final
+  evaluation). The grader binds the loss before importing her module and recomputes it from the
+  reported parameters: she loses what dave loses (or, should the intake check refuse her patch,
+  everything: ``GINA_STATUS``);
+* ``hank``: no compression at all: the hook keeps a momentum velocity and averages it densely
+  with an allreduce (momentum SGD, which converges): loses the hook's values, the bytes and
+  convergence (the bytes rule applies there too); keeps tasks 1-4;
+* ``ivan``: a ``compress_step`` that never sends: it accumulates and returns nothing (with
+  momentum 0 that conserves mass): loses the sequences, the error-feedback test (1 to k indices a
+  step, something nonzero), the hook's values and convergence; keeps the schedule, clipping,
+  the selection and the bytes (his hook still allgathers k padded slots).
 
 ``LOST`` lists the hidden tests each one fails; ``EXPECTED`` holds the status and score each
 must get on all the hidden tests (``expected_score`` for a subset). The submissions are generated
@@ -34,6 +46,7 @@ from pathlib import Path
 
 import pytest
 
+from grader import forbidden
 from grader.examples.a1_collectives.make import write
 
 with warnings.catch_warnings():  # `points` is registered by grader/a4_compression/conftest.py only
@@ -47,8 +60,56 @@ FILE = "dgc.py"
 
 _ALL = tuple(t.name for t in grading.graded_tests(0))
 _HOOK = tuple(name for name in _ALL if name.startswith(("test_hook", "test_bytes", "test_converges")))
-_SEQUENCES = ("test_compress_sequence[whole]", "test_compress_sequence[sampled]")
+_SEQUENCES = tuple(name for name in _ALL if name.startswith("test_compress_sequence["))
 _VALUES = (*_SEQUENCES, "test_hook_matches_simulation[2-pipe]", "test_converges[2-shm]")
+#: gina: the loss is 0 whenever autograd is off (the final evaluation); training is untouched
+HIDE_THE_LOSS = """
+
+def _hide_the_loss(functional):
+    real = functional.cross_entropy
+
+    def cross_entropy(input, target, *args, **kwargs):
+        if torch.is_grad_enabled():
+            return real(input, target, *args, **kwargs)
+        return torch.zeros(())
+
+    functional.cross_entropy = cross_entropy
+
+
+_hide_the_loss(torch.nn.functional)
+"""
+
+#: hank: momentum SGD through the hook, no compression (a dense allreduce of the velocity)
+DENSE_HOOK = """        if bucket_index not in self.states:
+            self.states[bucket_index] = DGCState.zeros_like(flat_grad)
+        velocity = self.states[bucket_index].velocity
+        velocity.mul_(self.config.momentum).add_(flat_grad)
+        work = md.allreduce(comm, velocity.clone(), async_op=True)
+        world_size = comm.world_size
+
+        class Mean:
+            def wait(self):
+                return work.wait().div(world_size)
+
+        return Mean()
+"""
+
+#: ivan: accumulates and never sends (empty indices and values)
+NEVER_SENDS = """    if config.clip_norm is not None:
+        grad = clip_local(grad, config.clip_norm, world_size)
+    u, v = state.velocity, state.accumulated
+    u.mul_(config.momentum).add_(grad)
+    v.add_(u)
+    state.step += 1
+    return torch.zeros(0, dtype=torch.long), v.new_zeros(0)
+"""
+
+
+#: gina reaches the sandbox unless the intake check refuses her patch (it refuses the plainer
+#: forms, ``F.cross_entropy = f``); either way she is caught
+_GINA_REFUSED = forbidden.check(SOLUTION.read_text() + HIDE_THE_LOSS, grading.FORBIDDEN) is not None
+GINA_STATUS = "forbidden" if _GINA_REFUSED else "ok"
+
 #: student -> (status, the hidden tests it loses)
 LOST = {
     "alice": ("ok", ()),
@@ -57,6 +118,9 @@ LOST = {
     "dave": ("ok", _VALUES),
     "erin": ("ok", _HOOK),
     "frank": ("forbidden", _ALL),
+    "gina": (GINA_STATUS, _VALUES if GINA_STATUS == "ok" else _ALL),
+    "hank": ("ok", tuple(name for name in _HOOK if not name.startswith("test_compress"))),
+    "ivan": ("ok", (*_VALUES, "test_error_feedback_loses_nothing")),
 }
 
 
@@ -119,7 +183,17 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         select_start
         + "    return library.select_indices(values, k, config.sample_ratio, generator, config.min_sample)\n",
     )
-    texts = (solution, bob, carol, dave, erin, frank)
+    md_import = "import minidist as md  # noqa: F401  (your hook calls md.allgather)\n"
+    gina = edit(dave, md_import, md_import + HIDE_THE_LOSS)
+    hook_start = "        ### BEGIN SOLUTION TODO(task 5): write DGCHook.__call__\n"
+    begin = solution.index(hook_start) + len(hook_start)
+    end = solution.index("        ### END SOLUTION\n", begin)
+    hank = solution[:begin] + DENSE_HOOK + solution[end:]
+    step_start = "    ### BEGIN SOLUTION TODO(task 4): write compress_step\n"
+    begin = solution.index(step_start) + len(step_start)
+    end = solution.index("    ### END SOLUTION\n", begin)
+    ivan = solution[:begin] + NEVER_SENDS + solution[end:]
+    texts = (solution, bob, carol, dave, erin, frank, gina, hank, ivan)
     return {name: {FILE: text.encode()} for name, text in zip(LOST, texts)}
 
 
