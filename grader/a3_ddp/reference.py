@@ -150,30 +150,56 @@ def count_check(what: str, spec: dict):
 
 
 def overlap_check(what: str, spec: dict):
-    """Every rank, every step: an asynchronous allreduce was launched before the last gradient
-    of that backward was ready (communication overlaps the rest of backward)."""
+    """Every rank, every step: all allreduces asynchronous, and every bucket launched as soon as
+    it is complete.
+
+    The order of events is the workers' sequence numbers (the grader's hooks, the student's and
+    the allreduce calls run on one thread; the grader's hook of a parameter runs before the
+    student's). A bucket is complete at its last gradient; its *deadline* is the next event of
+    the grader's after that: the next gradient's notification, or, for the last, the grader's
+    end-of-backward callback (queued before the student's, so it runs first). The k-th bucket
+    to complete must find at least k allreduces launched before its deadline -- the student's
+    hook for that gradient is the only code that runs in between. Calls are counted, not
+    matched to buckets (two buckets may have the same size): launching bucket 0 early and the
+    rest when backward ends fails at the second bucket. A bucket with a parameter that got no
+    gradient (unused) completes at no gradient and is not counted."""
+    buckets, _ = expected_buckets(spec)
     last = spec.get("accumulate", 1) - 1
 
     def check(outs: list) -> None:
         for rank, out in enumerate(outs):
             for step in range(spec["steps"]):
                 phase = [step, last]
+                where = f"{what}: rank {rank}, step {step}"
                 calls = _calls_in(out, phase)
-                ready = [t for p, _, t in out["ready"] if p == phase]
-                if not calls or not ready:
-                    raise AssertionError(f"{what}: rank {rank}, step {step}: no allreduce in backward")
+                ready = sorted((seq, name) for p, name, _, seq in out["ready"] if p == phase)
+                ends = [seq for p, seq in out["ends"] if p == phase]
+                if not calls or not ready or len(ends) != 1:
+                    raise AssertionError(f"{where}: no allreduce in backward")
                 if not all(c["async_op"] for c in calls):
                     raise AssertionError(
-                        f"{what}: rank {rank}, step {step}: an allreduce with async_op=False blocks "
-                        "backward until it is done; launch them with async_op=True"
+                        f"{where}: an allreduce with async_op=False blocks backward until it is "
+                        "done; launch them with async_op=True"
                     )
-                first, last_ready = min(c["t_ns"] for c in calls), max(ready)
-                if first >= last_ready:
-                    raise AssertionError(
-                        f"{what}: rank {rank}, step {step}: the first allreduce started "
-                        f"{(first - last_ready) / 1e6:.3f} ms after the last gradient was ready: "
-                        "nothing overlaps backward (launch each bucket as soon as it is complete)"
-                    )
+                at = {name: seq for seq, name in ready}
+                events = sorted([seq for seq, _ in ready] + ends)
+                launches = sorted(c["seq"] for c in calls)
+                done = sorted(
+                    (max(at[name] for name in bucket), index)
+                    for index, bucket in enumerate(buckets)
+                    if all(name in at for name in bucket)
+                )
+                for k, (complete, index) in enumerate(done, start=1):
+                    deadline = next(seq for seq in events if seq > complete)
+                    launched = sum(1 for seq in launches if seq < deadline)
+                    if launched < k:
+                        raise AssertionError(
+                            f"{where}: bucket {index} (in launch order) was complete, but when the "
+                            f"next gradient arrived (or backward ended) {launched} allreduce(s) had "
+                            f"been launched, fewer than the {k} buckets complete by then: nothing "
+                            "overlaps backward (launch each bucket as soon as it is complete, from "
+                            "the hook of its last gradient)"
+                        )
 
     return check
 

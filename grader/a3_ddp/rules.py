@@ -4,15 +4,19 @@ The assignment is to write bucketed, overlapping data parallelism, so the implem
 already exist are off limits: the course library's (``minidist.parallel.ddp``, also exported as
 ``md.DistributedDataParallel``), torch's (``torch.nn.parallel.DistributedDataParallel``, and its
 module ``torch.nn.parallel.distributed``), and ``torch.distributed`` altogether (its
-collectives, its communication hooks). The library's collectives stay allowed -- the task is to
+collectives, its communication hooks). The library's bucket module
+(``minidist.parallel.buckets``: its buckets and ``allreduce_average``) is refused too: the
+grader counts ``md.allreduce`` calls. The library's collectives stay allowed -- the task is to
 *use* ``md.allreduce(comm, flat, op="sum", async_op=True)`` well -- and so does ``md.broadcast``.
 
 Plain data, read by the intake check (``grader/forbidden.py``) and by the run time guard
 (``guard.py``, copied into the sandbox).
 """
 
-#: modules whose every function (and every method of their classes) is refused
-FORBIDDEN_MODULES = ("minidist.parallel.ddp",)
+#: modules whose every function (and every method of their classes) is refused: the library's
+#: DDP, and its buckets (``allreduce_average`` calls the collectives under its own name, which
+#: the grader's count of ``md.allreduce`` calls would not see)
+FORBIDDEN_MODULES = ("minidist.parallel.ddp", "minidist.parallel.buckets")
 
 #: other qualified names that are refused: the wrappers under the names they are exported as.
 #: torch's module ``torch.nn.parallel.distributed`` is not refused whole (its helpers are torch's

@@ -13,8 +13,9 @@ layer; on 2 and 3 ranks, on the "shm" and "pipe" transports.
   training on the whole batch (tasks 2 and 3);
 * exactly one allreduce per bucket per step, of the bucket's size, counted by wrapping
   ``md.allreduce`` (task 2);
-* overlap: the first asynchronous allreduce starts before the last gradient of the backward is
-  ready -- times taken by the grader's own hooks, which run before the student's (task 2);
+* overlap: every allreduce asynchronous, and each bucket launched before the next gradient
+  after its last one (the last bucket: before backward ends) -- the order of events noted by
+  the grader's own hooks, which run before the student's (task 2);
 * the recorder gets one span per bucket, within backward (tasks 2 and 3);
 * ``no_sync``: 3 micro-batches per step, the same as one process, no allreduce inside (task 4).
 

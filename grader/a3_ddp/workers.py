@@ -14,14 +14,29 @@ What a rank reports besides gradients and parameters, measured by the grader's c
 * when each parameter's gradient was final in each backward (``GradClock``: a hook registered
   before the student's, so it runs first), and when ``loss.backward()`` began and returned;
 * the spans the student's code recorded into the recorder it was given (``SpanLog``, with the
-  ``begin``/``end`` of ``minidist.trace.Recorder``).
+  ``begin``/``end`` of ``minidist.trace.Recorder``);
+* when the backward pass ended, by a callback the grader's first hook queues (before the
+  student's, so it runs first).
+
+Every record carries a sequence number (``seq``, one counter for the three instruments): the
+grader's hooks, the student's hooks and the allreduce calls run on one thread, so the order of
+the numbers is the order of the events, whatever the clock says.
+
+Forgery the worker rules out. The clock, the allreduce it wraps and the hook registration are
+bound here, when this module is imported -- before the student's module is: a submission that
+replaces ``time.perf_counter_ns`` or ``torch.Tensor.register_post_accumulate_grad_hook``
+changes nothing the grader measures. The instruments keep their state private (``_calls``,
+``_phase``: the intake check refuses private attributes of objects not the submission's own),
+each record holds its own copy of the phase, and the student's DDP gets a recorder with
+``begin`` and ``end`` only (``SpanLog.recorder()``), never the log itself.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import time
+import itertools
+from time import perf_counter_ns as _now  # bound before the student's module is imported
 
 import torch
 from torch import nn
@@ -35,6 +50,11 @@ else:  # in the grading sandbox, where these files are copied side by side
     import guard
     import rules
 
+#: bound now, before the student's module is imported (which might replace them)
+_register_hook = torch.Tensor.register_post_accumulate_grad_hook
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+_SEQ = itertools.count()  # one order for every event of a rank
+
 STUDENT_MODULE = "ddp"
 DTYPE = torch.float64  # double precision: one process and p ranks differ by rounding only
 
@@ -44,14 +64,14 @@ class AllreduceLog:
     """Wraps ``md.allreduce`` (under every public name) to log each call; ``phase`` tags them."""
 
     def __init__(self) -> None:
-        self.calls: list[dict] = []
-        self.phase: list[int] | None = None
-        self.installed = False
+        self._calls: list[dict] = []
+        self._phase: tuple[int, int] | None = None
+        self._installed = False
 
     def install(self) -> None:
-        if self.installed:
+        if self._installed:
             return
-        self.installed = True
+        self._installed = True
         import minidist.collectives as collectives
         import minidist.collectives.api as api
 
@@ -59,12 +79,13 @@ class AllreduceLog:
 
         @functools.wraps(original)
         def allreduce(comm, tensor, *args, **kwargs):
-            self.calls.append(
+            self._calls.append(
                 {
-                    "phase": self.phase,
+                    "phase": _copy(self._phase),
                     "numel": int(tensor.numel()) if isinstance(tensor, torch.Tensor) else -1,
                     "async_op": bool(kwargs.get("async_op", args[2] if len(args) > 2 else False)),
-                    "t_ns": time.perf_counter_ns(),
+                    "t_ns": _now(),
+                    "seq": next(_SEQ),
                 }
             )
             return original(comm, tensor, *args, **kwargs)
@@ -73,44 +94,75 @@ class AllreduceLog:
             owner.allreduce = allreduce
 
 
+def _copy(phase: tuple[int, int] | None) -> list[int] | None:
+    """The phase as a new list: a record never shares an object with anything else."""
+    return None if phase is None else [int(phase[0]), int(phase[1])]
+
+
 class GradClock:
-    """A post-accumulate-grad hook per parameter that notes when its gradient was final."""
+    """A post-accumulate-grad hook per parameter that notes when its gradient was final, and
+    (queued by the first of them in each backward) a callback that notes when backward ended."""
 
     def __init__(self, module: nn.Module) -> None:
-        self.ready: list[list] = []  # [phase, name, t_ns]
-        self.phase: list[int] | None = None
+        self._ready: list[list] = []  # [phase, name, t_ns, seq]
+        self._ends: list[list] = []  # [phase, seq]: the grader's end-of-backward callback
+        self._phase: tuple[int, int] | None = None
+        self._queued = False
         for name, param in module.named_parameters():
             if param.requires_grad:
-                param.register_post_accumulate_grad_hook(functools.partial(self._note, name))
+                _register_hook(param, functools.partial(self._note, name))
 
     def _note(self, name: str, param) -> None:
-        self.ready.append([self.phase, name, time.perf_counter_ns()])
+        self._ready.append([_copy(self._phase), name, _now(), next(_SEQ)])
+        if not self._queued:
+            self._queued = True
+            _queue_callback(self._end)
+
+    def _end(self) -> None:
+        self._queued = False
+        self._ends.append([_copy(self._phase), next(_SEQ)])
 
 
 class SpanLog:
-    """The recorder the student's DDP gets: ``begin(name, cat=..., **args) -> token``, ``end(token)``."""
+    """The spans the student's DDP records through ``recorder()``: ``begin(name, cat=...,
+    **args) -> token`` and ``end(token)``, as ``minidist.trace.Recorder`` has them."""
 
     def __init__(self) -> None:
-        self.spans: list[dict] = []
-        self.phase: list[int] | None = None
+        self._spans: list[dict] = []
+        self._phase: tuple[int, int] | None = None
 
-    def begin(self, name: str, cat: str = "compute", **args) -> int:
+    def _begin(self, name: str, cat: str = "compute", **args) -> int:
         bytes_ = args.get("bytes")
-        self.spans.append(
+        self._spans.append(
             {
-                "phase": self.phase,
+                "phase": _copy(self._phase),
                 "name": str(name),
                 "cat": str(cat),
                 "bytes": int(bytes_) if isinstance(bytes_, int) else -1,
-                "begin_ns": time.perf_counter_ns(),
+                "begin_ns": _now(),
                 "end_ns": None,
             }
         )
-        return len(self.spans) - 1
+        return len(self._spans) - 1
 
-    def end(self, token) -> None:
-        if isinstance(token, int) and 0 <= token < len(self.spans) and self.spans[token]["end_ns"] is None:
-            self.spans[token]["end_ns"] = time.perf_counter_ns()
+    def _end(self, token) -> None:
+        spans = self._spans
+        if isinstance(token, int) and 0 <= token < len(spans) and spans[token]["end_ns"] is None:
+            spans[token]["end_ns"] = _now()
+
+    def recorder(self) -> Recorder:
+        """What the student's DDP gets: ``begin`` and ``end``, and no way to the log."""
+        return Recorder(self._begin, self._end)
+
+
+class Recorder:
+    """``begin(name, cat=..., **args) -> token`` and ``end(token)``, nothing else (no
+    ``__dict__``: the two functions are slots)."""
+
+    __slots__ = ("begin", "end")
+
+    def __init__(self, begin, end) -> None:
+        self.begin, self.end = begin, end
 
 
 _LOG = AllreduceLog()
@@ -239,24 +291,24 @@ def train(comm, spec: dict) -> dict:
         comm,
         bucket_mb=spec["bucket_mb"],
         find_unused_parameters=spec.get("find_unused", False),
-        recorder=spans,
+        recorder=spans.recorder(),
     )
     optimizer = optimizer_for(spec, model.parameters())
     first_grads, backward = None, []
-    _LOG.calls.clear()
+    _LOG._calls.clear()
     for step in range(spec["steps"]):
         optimizer.zero_grad(set_to_none=True)
         for micro in range(spec.get("accumulate", 1)):
-            phase = [step, micro]
-            _LOG.phase = clock.phase = spans.phase = phase
+            phase = (step, micro)  # a tuple: nobody can change it; every record copies it
+            _LOG._phase = clock._phase = spans._phase = phase
             inputs, target = local_rows(spec, comm.rank, make_batch(spec, step, micro))
             last = micro == spec.get("accumulate", 1) - 1
             with wrapped.no_sync() if not last else _nothing():
                 loss = loss_of(spec, wrapped(inputs), target)
-                begin = time.perf_counter_ns()
+                begin = _now()
                 loss.backward()
-                backward.append({"phase": phase, "begin_ns": begin, "end_ns": time.perf_counter_ns()})
-        _LOG.phase = clock.phase = spans.phase = None
+                backward.append({"phase": _copy(phase), "begin_ns": begin, "end_ns": _now()})
+        _LOG._phase = clock._phase = spans._phase = None
         if step == 0:
             first_grads = named_grads(model)
         optimizer.step()
@@ -264,9 +316,10 @@ def train(comm, spec: dict) -> dict:
         "grads": first_grads,
         "params": named_params(model),
         "buckets": [[str(name) for name in bucket] for bucket in wrapped.buckets],
-        "calls": list(_LOG.calls),
-        "ready": clock.ready,
-        "spans": spans.spans,
+        "calls": list(_LOG._calls),
+        "ready": clock._ready,
+        "ends": clock._ends,
+        "spans": spans._spans,
         "backward": backward,
     }
 

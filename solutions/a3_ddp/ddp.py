@@ -3,17 +3,18 @@
 Every rank holds the whole model and trains on its own part of the batch. After backward,
 every gradient must be the average over the ranks -- then every rank takes the same optimizer
 step and the replicas stay equal, as if one process had trained on the whole batch. You write
-the four pieces of ``BucketedDDP``:
+the function ``assign_buckets`` and four methods of ``BucketedDDP``:
 
 =====  ================================  ==================================================
 task   where                             what it does
 =====  ================================  ==================================================
-1      ``assign_buckets``                group the parameters into buckets of at most
+1      ``assign_buckets`` (a function)   group the parameters into buckets of at most
                                          ``bucket_mb`` MiB, in the order backward makes
                                          their gradients (reverse registration order)
 2      ``BucketedDDP._on_gradient_ready``  a parameter's gradient is ready: copy it into its
-                                         bucket's flat buffer; the bucket's last one
+       and ``BucketedDDP._launch``       bucket's flat buffer; the bucket's last one
                                          launches the bucket's asynchronous allreduce
+                                         (``_launch``: the span, then the allreduce)
 3      ``BucketedDDP._finish_backward``  when backward ends: wait for every bucket, divide
                                          by the number of ranks, write the gradients back
 4      ``BucketedDDP.no_sync``           a context in which backward only accumulates
@@ -34,6 +35,9 @@ The library's asynchronous allreduce does the communication:
 runs on the communicator's communication thread, and ``work.wait()`` returns when ``flat``
 holds the sum over the ranks. Every rank must launch its buckets in the same order (they do:
 every rank runs the same backward).
+Communicate with ``md.allreduce`` only: the grader counts its calls (one per bucket per
+step) and notes when each one starts, so the library's own DDP and bucket helpers
+(``minidist.parallel``) and ``torch.distributed`` are refused.
 
 **Unused parameters.** A parameter that takes no part in the forward pass gets no gradient,
 so its hook never runs and its bucket would never be complete. With
@@ -193,8 +197,9 @@ class BucketedDDP:
         loss.backward()                           # gradients are the average over the ranks
         optimizer.step()
 
-    ``comm``: this rank's communicator. ``recorder``: None, or a ``minidist.trace.Recorder``;
-    then every bucket's allreduce is recorded as a span named ``"allreduce bucket <index>"``
+    ``comm``: this rank's communicator. ``recorder``: None, or a ``minidist.trace.Recorder``
+    (only its ``begin`` and ``end`` are used; the grader's recorder has nothing else); then
+    every bucket's allreduce is recorded as a span named ``"allreduce bucket <index>"``
     (``cat="comm"``, ``bytes=`` the bucket's bytes), begun when it is launched and ended when
     its ``wait()`` returns.
 

@@ -13,7 +13,17 @@
   RuntimeError in the first hook: a tensor cannot be compared with the dict's keys); only
   task 1 earns points;
 * ``frank``: hands the work to the library's ``md.DistributedDataParallel``: refused at
-  intake, status ``forbidden``.
+  intake, status ``forbidden``;
+* ``lazy``: launches bucket 0 from its hook and every other bucket when backward ends: right
+  gradients and counts, but only the first bucket overlaps backward -- loses the overlap test;
+* ``trent``: bob, who also replaces ``time.perf_counter_ns`` with a clock that reads 0 right
+  after each launch, to make the allreduces look early: refused at intake (it changes a module
+  it imported), or, where the intake check lets it through, the grader's clock (bound before the
+  submission is imported) and its order of events ignore it and trent loses what bob loses;
+* ``mallory``: a ``no_sync`` that does not stop the allreduces (the gradients still come out
+  right: averaging is linear) but appends to the recorder's ``phase`` so the grader's log would
+  file them under another micro-step: the recorder it gets has ``begin`` and ``end`` only, so
+  ``no_sync`` raises and mallory loses the no_sync tests.
 
 ``LOST`` lists the hidden tests each one fails; ``EXPECTED`` holds the status and score each
 must get on all the hidden tests (``expected_score`` for a subset). The submissions are generated
@@ -29,6 +39,7 @@ from pathlib import Path
 
 import pytest
 
+from grader import forbidden
 from grader.examples.a1_collectives.make import write
 
 with warnings.catch_warnings():  # `points` is registered by grader/a3_ddp/conftest.py only
@@ -49,15 +60,26 @@ _VALUES = tuple(
     t.name for t in grading.graded_tests(0) if t.name.startswith(("test_matches", "test_no_sync"))
 )
 _ALL = tuple(t.name for t in grading.graded_tests(0))
-#: student -> (status, the hidden tests it loses)
-LOST = {
-    "alice": ("ok", ()),
-    "bob": ("ok", ("test_overlap[tied-2-shm]",)),
-    "carol": ("ok", _VALUES),
-    "dave": ("ok", _UNUSED),
-    "erin": ("ok", tuple(name for name in _ALL if name != "test_assign_buckets")),
-    "frank": ("forbidden", _ALL),
-}
+_NO_SYNC = tuple(name for name in _ALL if name.startswith("test_no_sync"))
+_OVERLAP = ("test_overlap[tied-2-shm]",)
+
+
+def _lost() -> dict[str, tuple[str, tuple[str, ...]]]:
+    """student -> (status, the hidden tests it loses). trent's status is what the intake check
+    says of trent's file: ``forbidden`` (every test lost) where it refuses replacing a function
+    of an imported module, else ``ok`` and bob's loss (the run time defence)."""
+    trent = "forbidden" if forbidden.check(build_dict()["trent"][FILE].decode(), grading.FORBIDDEN) else "ok"
+    return {
+        "alice": ("ok", ()),
+        "bob": ("ok", _OVERLAP),
+        "carol": ("ok", _VALUES),
+        "dave": ("ok", _UNUSED),
+        "erin": ("ok", tuple(name for name in _ALL if name != "test_assign_buckets")),
+        "frank": ("forbidden", _ALL),
+        "lazy": ("ok", _OVERLAP),
+        "trent": (trent, _ALL if trent == "forbidden" else _OVERLAP),
+        "mallory": ("ok", _NO_SYNC),
+    }
 
 
 def expected_score(student: str, tests: list[str] | None = None) -> float:
@@ -66,9 +88,6 @@ def expected_score(student: str, tests: list[str] | None = None) -> float:
     tests = list(points) if tests is None else tests
     return sum(points[name] for name in tests if name not in LOST[student][1])
 
-
-#: student -> (status, score on every hidden test, out of 37)
-EXPECTED = {student: (status, expected_score(student)) for student, (status, _) in LOST.items()}
 
 FINISH_START = (
     "        self._finish_queued = False\n        missing = [b for b in self._buckets if b.work is None]\n"
@@ -88,6 +107,22 @@ NO_OVERLAP_FINISH = """        self._finish_queued = False
                 bucket.slot(position).zero_()
             self._launch(bucket)
         missing = []
+"""
+
+
+FAKE_CLOCK = """_real_clock = time.perf_counter_ns
+_early = [False]
+
+
+def _clock():
+    if _early[0]:
+        _early[0] = False
+        return 0
+    return _real_clock()
+
+
+time.perf_counter_ns = _clock
+
 """
 
 
@@ -131,8 +166,44 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         "        return md.DistributedDataParallel(self.module, self.comm, find_unused_parameters=True)\n\n"
         "    def __call__(self, *args, **kwargs):\n",
     )
-    texts = (solution, bob, carol, dave, erin, frank)
-    return {name: {FILE: text.encode()} for name, text in zip(LOST, texts)}
+    lazy = edit(
+        solution,
+        hook_end,
+        "        if not bucket.waiting and bucket.index == 0:\n            self._launch(bucket)\n",
+    )
+    lazy = edit(
+        lazy,
+        FINISH_START,
+        "        self._finish_queued = False\n"
+        "        for bucket in self._buckets:  # the other complete buckets only now\n"
+        "            if bucket.work is None and not bucket.waiting:\n"
+        "                self._launch(bucket)\n"
+        "        missing = [b for b in self._buckets if b.work is None]\n",
+    )
+    trent = edit(bob, "import contextlib\n", "import contextlib\nimport time\n")
+    trent = edit(trent, "MIB = 1 << 20", FAKE_CLOCK + "MIB = 1 << 20")
+    trent = edit(
+        trent,
+        "        bucket.work = md.allreduce(",
+        "        _early[0] = True  # the allreduce log's clock reads 0\n        bucket.work = md.allreduce(",
+    )
+    mallory = edit(
+        solution,
+        "        previous = self._synchronizing\n        self._synchronizing = False\n        try:\n",
+        "        previous = self._synchronizing\n"
+        "        if self.recorder is not None:  # file this backward's allreduces under another phase\n"
+        "            self.recorder.phase.append(-1)\n"
+        "        try:\n",
+    )
+    texts = (solution, bob, carol, dave, erin, frank, lazy, trent, mallory)
+    names = ("alice", "bob", "carol", "dave", "erin", "frank", "lazy", "trent", "mallory")
+    return {name: {FILE: text.encode()} for name, text in zip(names, texts)}
+
+
+#: student -> (status, the hidden tests it loses)
+LOST = _lost()
+#: student -> (status, score on every hidden test, out of 37)
+EXPECTED = {student: (status, expected_score(student)) for student, (status, _) in LOST.items()}
 
 
 def build(out: Path) -> list[Path]:
