@@ -2,8 +2,10 @@
 
 The graded tests are the hidden tests with their points; the example students of
 ``grader/examples/a3_ddp/make.py`` (correct, no overlap, sums instead of averaging, a deadlock on
-unused parameters, a crash, the library's DDP) and the released stub get exactly their expected
-scores on a subset of the hidden tests that tells them all apart (one batch, ``--jobs 2``).
+unused parameters, a crash, the library's DDP, only the first bucket overlapping, a forged clock,
+a relabelled phase) and the released stub get exactly their expected scores on a subset of the
+hidden tests that tells them all apart (one batch, ``--jobs 2``). The forgeries are also run
+past the intake check, straight into the hidden tests: the worker's own defences catch them.
 """
 
 from __future__ import annotations
@@ -29,16 +31,18 @@ with warnings.catch_warnings():  # `points` is registered by grader/a3_ddp/conft
 
 ROOT = Path(__file__).resolve().parent.parent
 #: the tests that tell the examples apart: buckets, equivalence on the model with tied, frozen
-#: and unused parameters, overlap (glob patterns: "[[]" is a literal "[")
+#: and unused parameters, overlap, accumulation (glob patterns: "[[]" is a literal "[")
 SUBSET = (
     "test_assign_buckets",
     "test_matches_one_process[[]mixed-2-shm]",
     "test_overlap*",
+    "test_no_sync_accumulates[[]deep-2-shm]",
 )
 SUBSET_NAMES = [
     "test_assign_buckets",
     "test_matches_one_process[mixed-2-shm]",
     "test_overlap[tied-2-shm]",
+    "test_no_sync_accumulates[deep-2-shm]",
 ]
 
 
@@ -103,6 +107,11 @@ def test_the_intake_check_accepts_the_solution_and_refuses_the_delegations():
         "import torch\nwrapped = torch.nn.parallel.DistributedDataParallel",
         "from torch.nn.parallel import DistributedDataParallel",
         "import torch.distributed as dist",
+        "from minidist.parallel.buckets import allreduce_average",
+        "import minidist as md\nreduce = md.parallel.buckets.allreduce_average",
+        # the grader's recorder: its state is private, and a bound method leads nowhere
+        "class D:\n    def f(self):\n        self.recorder._phase.append(-1)\n",
+        "class D:\n    def f(self):\n        self.recorder.begin.__self__._spans.clear()\n",
     ):
         assert forbidden.check(code, rules) is not None, code
 
@@ -131,6 +140,8 @@ def test_the_examples_and_the_stub_get_their_scores(tmp_path):
     assert all("NotImplementedError" in t["output"] and "TODO(task" in t["output"] for t in stub["tests"])
     assert "did not finish within 20 s" in (out / "dave" / "feedback.md").read_text()
     assert "nothing overlaps backward" in (out / "bob" / "feedback.md").read_text()
+    assert "bucket 1 (in launch order)" in (out / "lazy" / "feedback.md").read_text()
+    assert "no attribute 'phase'" in (out / "mallory" / "feedback.md").read_text()
     assert "which is wrong" in (out / "carol" / "feedback.md").read_text()
     assert "minidist.DistributedDataParallel" in book["frank"]["reason"]
     assert float(book["alice"]["similarity"]) < similarity.FLAG_AT
@@ -198,3 +209,52 @@ def test_given_functions_name_functions_of_the_solution(assignment):
     for student_file in package.STUDENT_FILES:
         names |= set(similarity.functions((root / student_file).read_text()))
     assert set(grading_module.GIVEN_FUNCTIONS) <= names, set(grading_module.GIVEN_FUNCTIONS) - names
+
+
+def test_the_recorder_a_submission_gets_leads_nowhere():
+    # begin and end only (slots, no __dict__); each record holds a copy of the phase
+    from grader.a3_ddp import workers
+
+    log = workers.SpanLog()
+    recorder = log.recorder()
+    assert [name for name in dir(recorder) if not name.startswith("_")] == ["begin", "end"]
+    assert not hasattr(recorder, "__dict__") and not hasattr(recorder, "phase")
+    log._phase = (2, 1)
+    recorder.end(recorder.begin("allreduce bucket 0", cat="comm", bytes=64))
+    (span,) = log._spans
+    assert span["phase"] == [2, 1] and span["bytes"] == 64 and span["begin_ns"] <= span["end_ns"]
+    span["phase"].append(-1)  # changing one record's phase changes no other and not the log's
+    assert log._phase == (2, 1)
+
+
+def hidden_tests_on(submission: Path, selection: str) -> str:
+    """The hidden tests matching ``selection`` on ``submission``, with no intake check before."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(submission), str(ROOT)])}
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "grader/a3_ddp",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-k",
+        selection,
+    ]
+    result = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, start_new_session=True
+    )
+    return result.stdout + result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_forgeries_fail_even_past_the_intake_check(tmp_path):
+    # trent's replaced time.perf_counter_ns: the worker's clock was bound before the import, and
+    # the overlap check orders events by sequence numbers; mallory's phase relabel: no phase to
+    # reach. Each loses the test it forges, as the honest no-overlap / no no_sync would.
+    make.write(tmp_path, make.build_dict())
+    trent = hidden_tests_on(tmp_path / "trent", "test_overlap or test_trace_spans")
+    assert "1 failed, 1 passed" in trent and "nothing overlaps backward" in trent, trent[-3000:]
+    mallory = hidden_tests_on(tmp_path / "mallory", "test_no_sync_accumulates and deep")
+    assert "1 failed" in mallory and "no attribute 'phase'" in mallory, mallory[-3000:]
