@@ -4,8 +4,9 @@ The graded tests are the hidden tests with their points; the grader's second DGC
 (``grader/a4_compression/reference.py``) agrees with the library's on random data; the example
 students of ``grader/examples/a4_compression/make.py`` (correct, no error feedback, an exact
 top-k instead of the sampled threshold, no momentum correction, a crash, the library's
-compressor) and the released stub get exactly their expected scores on a subset of the hidden
-tests that tells them apart (one batch, ``--jobs 2``).
+compressor, a hidden loss, a dense hook, a compress_step that never sends) and the released
+stub get exactly their expected scores on a subset of the hidden tests that tells them apart
+(one batch, ``--jobs 2``).
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ with warnings.catch_warnings():  # `points` is registered by grader/a4_compressi
 
 ROOT = Path(__file__).resolve().parent.parent
 #: the tests that tell the examples apart (glob patterns: "[[]" is a literal "["): error feedback
-#: (bob), the sampled selection (carol), the sequence with the whole sample (dave, bob), the
-#: bytes of the hook (erin); single-process jobs but one
+#: (bob, ivan), the sampled selection (carol), the sequence with the whole sample (dave, bob,
+#: gina, ivan), the bytes of the hook (erin, hank); single-process jobs but one. (gina's hidden
+#: loss and hank's convergence are checked by the tests of the checks above, and by
+#: ``make.LOST`` on the whole hidden suite.)
 SUBSET = (
     "test_select_sampled_threshold",
     "test_compress_sequence[[]whole]",
@@ -290,5 +293,7 @@ def test_the_examples_and_the_stub_get_their_scores(tmp_path):
     assert "(everything sent) + (what is left in v)" in (out / "bob" / "feedback.md").read_text()
     assert "the recipe chooses" in (out / "carol" / "feedback.md").read_text()
     assert "KeyError" in (out / "erin" / "feedback.md").read_text()
+    assert "allreduce" in (out / "hank" / "feedback.md").read_text()
+    assert "between 1 and k" in (out / "ivan" / "feedback.md").read_text()
     assert "minidist.parallel.compression" in book["frank"]["reason"]
     assert float(book["alice"]["similarity"]) < similarity.FLAG_AT
