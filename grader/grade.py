@@ -34,6 +34,8 @@ key) is not graded again unless ``--force``.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import fnmatch
 import hashlib
 import importlib
@@ -60,6 +62,9 @@ SHARED_SANDBOX_FILES = ("guard.py", "student_comm.py")
 #: trusted modules whose change changes grades (part of the hash that decides what to regrade)
 TRUSTED_FILES = ("forbidden.py", "similarity.py")
 UID_BASE = 64000  # sandbox user ids: UID_BASE + slot, one per parallel job
+#: held by an isolated grading run: the sandbox user ids are the same in every run, and a run's
+#: cleanup kills every process of its ids, so two runs at once would kill each other's sandboxes
+SANDBOX_USERS_LOCK = Path("/run/minidist-grader-sandbox-users.lock")
 GID = 65534  # nogroup
 
 
@@ -285,6 +290,29 @@ def seed_key_for(out: Path, given: str | None) -> str:
     return path.read_text().strip()
 
 
+@contextlib.contextmanager
+def sandbox_users(isolated: bool):
+    """Hold the sandbox user ids for this run (``SANDBOX_USERS_LOCK``); another isolated run
+    waits here until this one has finished, instead of having its sandboxes killed."""
+    if not isolated:
+        yield
+        return
+    with open(SANDBOX_USERS_LOCK, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(
+                "another grading run is using the sandbox users; waiting for it to finish ...",
+                file=sys.stderr,
+                flush=True,
+            )
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def main(args: argparse.Namespace) -> int:
     os.umask(0o077)  # everything the grader writes is for root (the instructor) only
     sandbox.become_subreaper()
@@ -313,7 +341,7 @@ def main(args: argparse.Namespace) -> int:
             todo.append(submission)
     if rows:
         print(f"reusing {len(rows)} finished submission(s) (--force to grade them again)", file=sys.stderr)
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+    with sandbox_users(grader.isolated), ThreadPoolExecutor(max_workers=args.jobs) as pool:
         futures = {pool.submit(grader.grade, s): s for s in todo}
         bar = tqdm(as_completed(futures), total=len(futures), desc=f"grading {args.assignment}", unit="sub")
         for future in bar:

@@ -552,3 +552,32 @@ def test_the_gradescope_bundle_grades_a_submission(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     results = json.loads((tmp_path / "out" / "submission" / "results.json").read_text())
     assert results["score"] == results["max_score"] == 1
+
+
+def test_isolated_grading_runs_take_turns_with_the_sandbox_users(tmp_path, monkeypatch):
+    # every run uses the same sandbox user ids and its cleanup kills all their processes:
+    # a second run must wait for the first instead of having its sandboxes killed
+    import threading
+    import time
+
+    from grader import grade
+
+    monkeypatch.setattr(grade, "SANDBOX_USERS_LOCK", tmp_path / "users.lock")
+    order = []
+
+    def run(name, seconds):
+        with grade.sandbox_users(True):
+            order.append(f"{name} starts")
+            time.sleep(seconds)
+            order.append(f"{name} ends")
+
+    first = threading.Thread(target=run, args=("first", 0.5))
+    first.start()
+    time.sleep(0.1)
+    second = threading.Thread(target=run, args=("second", 0.0))
+    second.start()
+    first.join(10)
+    second.join(10)
+    assert order == ["first starts", "first ends", "second starts", "second ends"]
+    with grade.sandbox_users(False):  # not isolated: no sandbox users, nothing to hold
+        pass
