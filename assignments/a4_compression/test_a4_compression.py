@@ -50,7 +50,7 @@ def run(config: dict, **kwargs) -> list[dict]:
 
 
 # --- task 1 ------------------------------------------------------------------------------------
-def test_warmup_schedule_of_the_docstring():
+def test_sparsity_at_follows_the_schedule_of_the_docstring():
     config = DGCConfig(sparsity=0.999, warmup_stage_steps=2)
     expected = [0.75, 0.75, 0.9375, 0.9375, 0.984375, 0.984375, 0.996, 0.996, 0.999, 0.999, 0.999]
     assert [sparsity_at(step, config) for step in range(11)] == expected
@@ -58,7 +58,7 @@ def test_warmup_schedule_of_the_docstring():
 
 
 # --- task 2 ------------------------------------------------------------------------------------
-def test_clip_local_scales_long_gradients_to_the_threshold_and_leaves_short_ones():
+def test_clipping_scales_long_gradients_to_the_threshold_and_leaves_short_ones():
     grad = torch.full((16,), 1.0, dtype=torch.float64)  # norm 4
     clipped = clip_local(grad, clip_norm=2.0, world_size=4)  # threshold 2 / sqrt(4) = 1
     assert math.isclose(float(torch.linalg.vector_norm(clipped)), 1.0, rel_tol=1e-12)
