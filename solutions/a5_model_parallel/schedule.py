@@ -68,8 +68,11 @@ def one_f_one_b(stages: int, microbatches: int) -> list[list[Action]]:
     Every microbatch's forward and backward once; backwards in the order of the forwards. The
     last stage (w = 0) alternates F j, B j from the start. ValueError for p < 1 or m < 1.
 
-    >>> one_f_one_b(2, 3)
-    [[('F', 0), ('F', 1), ('B', 0), ('F', 2), ('B', 1), ('B', 2)], [('F', 0), ('B', 0), ('F', 1), ('B', 1), ('F', 2), ('B', 2)]]
+    >>> first, last = one_f_one_b(2, 3)
+    >>> first
+    [('F', 0), ('F', 1), ('B', 0), ('F', 2), ('B', 1), ('B', 2)]
+    >>> last
+    [('F', 0), ('B', 0), ('F', 1), ('B', 1), ('F', 2), ('B', 2)]
     """
     _check_sizes(stages, microbatches)
     # TODO(task 6): one list per stage, three loops.
