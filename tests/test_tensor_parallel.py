@@ -196,7 +196,7 @@ def test_vocab_parallel_cross_entropy_with_ignore_index(run, module_case):
 def dense_decoder(case):
     model = decoder.DecoderLM(w.DECODER_CONFIGS[case["name"]])
     model.load_state_dict(case["state"])
-    out = model(case["ids"], labels=case["labels"])
+    out = model(case["ids"], labels=case["labels"], attention_mask=case["mask"])
     out.loss.backward()
     return model, out
 
@@ -287,6 +287,15 @@ def test_decoder_names_sizes_that_do_not_divide(change, numbers):
     for number in numbers:
         assert number in str(info.value)
     check_tp_config(cfg, 2)  # every size above divides by 2
+
+
+def test_attention_refuses_a_bias_with_another_number_of_heads():
+    attention = tp.ParallelSelfAttention(16, 4, FakeComm(2))
+    with pytest.raises(ValueError, match="3 heads"):
+        attention.local_bias(torch.zeros(1, 3, 5, 5))
+    assert attention.local_bias(torch.zeros(2, 1, 5, 5)).shape == (2, 1, 5, 5)  # broadcasts as it is
+    per_head = torch.arange(4.0)[None, :, None, None].expand(1, 4, 5, 5)
+    assert torch.equal(attention.local_bias(per_head), per_head[:, :2])  # rank 0: heads 0 and 1
 
 
 def test_load_dense_checks_shapes():

@@ -37,12 +37,12 @@ def attention_config(alibi: bool = True) -> transformer.TransformerConfig:
 
 
 def decoder_config(
-    position: str = "learned", embedding_layernorm: bool = False
+    position: str = "learned", embedding_layernorm: bool = False, n_layers: int = 2
 ) -> transformer.TransformerConfig:
     return transformer.TransformerConfig(
         vocab_size=VOCAB,
         hidden_size=D,
-        n_layers=2,
+        n_layers=n_layers,
         n_heads=HEADS,
         max_positions=16,
         position=position,
@@ -55,7 +55,8 @@ def decoder_config(
 
 DECODER_CONFIGS = {
     "learned": decoder_config(),
-    "alibi-embedding-ln": decoder_config("alibi", embedding_layernorm=True),
+    # 3 layers here, 2 above: the collective counts must grow by exactly 2 + 2 per layer
+    "alibi-embedding-ln-3-layers": decoder_config("alibi", embedding_layernorm=True, n_layers=3),
 }
 
 
@@ -107,7 +108,10 @@ def decoder_case(name: str, seed: int = 0) -> dict:
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     labels = ids.clone()
     labels[0, 3] = labels[1, 5] = decoder.IGNORE_INDEX
-    return {"name": name, "state": model.state_dict(), "ids": ids, "labels": labels}
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    if DECODER_CONFIGS[name].position == "alibi":  # padding too: the bias becomes (B, H, T, T)
+        mask[1, -2:] = 0
+    return {"name": name, "state": model.state_dict(), "ids": ids, "labels": labels, "mask": mask}
 
 
 class CallLog:
@@ -163,6 +167,10 @@ def _run_counted(comm, forward, backward) -> dict:
     }
 
 
+def _counted(run: dict) -> dict:
+    return {"claimed": run["claimed"], "observed": run["observed"]}
+
+
 def _leaf(t: torch.Tensor, dev) -> torch.Tensor:
     return t.to(dev).clone().requires_grad_(True)
 
@@ -181,9 +189,8 @@ def module_checks(comm, case: dict) -> dict:
         gy = case["gy_ffn"] if gather else case["gy_ffn"].chunk(p, dim=-1)[r]
         run = _run_counted(comm, lambda: layer(x), lambda y: (y * gy).sum().backward())
         res[f"column_gather={gather}"] = dict(
-            y=run["out"], gx=x.grad, gw=layer.weight.grad, gb=layer.bias.grad, claimed=run["claimed"],
-            observed=run["observed"],
-        )  # fmt: skip
+            y=run["out"], gx=x.grad, gw=layer.weight.grad, gb=layer.bias.grad, **_counted(run)
+        )
 
     # row-parallel, input split or full
     for parallel_in in (True, False):
@@ -192,9 +199,8 @@ def module_checks(comm, case: dict) -> dict:
         x = _leaf(case["x_ffn"].chunk(p, dim=-1)[r] if parallel_in else case["x_ffn"], dev)
         run = _run_counted(comm, lambda: layer(x), lambda y: (y * case["gy"]).sum().backward())
         res[f"row_parallel_input={parallel_in}"] = dict(
-            y=run["out"], gx=x.grad, gw=layer.weight.grad, gb=layer.bias.grad, claimed=run["claimed"],
-            observed=run["observed"],
-        )  # fmt: skip
+            y=run["out"], gx=x.grad, gw=layer.weight.grad, gb=layer.bias.grad, **_counted(run)
+        )
 
     # MLP and attention (ALiBi + causal bias with a head dimension)
     cfg = attention_config()
@@ -215,9 +221,8 @@ def module_checks(comm, case: dict) -> dict:
             comm, lambda m=module, c=call, x=x: c(m, x), lambda y: (y * case["gy"]).sum().backward()
         )
         res[name] = dict(
-            y=run["out"], gx=x.grad, grads={n: q.grad for n, q in module.named_parameters()},
-            claimed=run["claimed"], observed=run["observed"],
-        )  # fmt: skip
+            y=run["out"], gx=x.grad, grads={n: q.grad for n, q in module.named_parameters()}, **_counted(run)
+        )
 
     # vocabulary-parallel embedding
     embedding = tp.VocabParallelEmbedding(VOCAB, D, comm)
@@ -247,7 +252,10 @@ def decoder_check(comm, case: dict) -> dict:
     dense.load_state_dict(case["state"])
     model = TensorParallelDecoderLM.from_dense(dense, comm)
     ids, labels = case["ids"].to(dev), case["labels"].to(dev)
-    run = _run_counted(comm, lambda: model(ids, labels=labels), lambda out: out.loss.backward())
+    mask = case["mask"].to(dev)
+    run = _run_counted(
+        comm, lambda: model(ids, labels=labels, attention_mask=mask), lambda out: out.loss.backward()
+    )
     with torch.no_grad():
         logits = model.gather_logits(run["out"].logits)
     return _cpu(

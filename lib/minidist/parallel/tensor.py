@@ -421,6 +421,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, comm, ignore_index):
         local_vocab = logits.shape[-1]
+        ctx.dtype = logits.dtype
         start = comm.rank * local_vocab
         logits = logits.float()
         # 1. the row maximum over the whole vocabulary, for a stable softmax
@@ -449,7 +450,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         rows = torch.arange(grad_logits.shape[0], device=grad_logits.device)
         grad_logits[rows, local_target] -= owned.to(grad_logits.dtype)
         grad_logits *= (valid.to(grad_logits.dtype) * grad / ctx.count)[:, None]
-        return grad_logits, None, None, None
+        return grad_logits.to(ctx.dtype), None, None, None
 
 
 def vocab_parallel_cross_entropy(
