@@ -107,6 +107,9 @@ def train_zero(comm, cfg: dict) -> dict:
         sent = comm.stats.bytes_sent
         holding = {kind: memory.tensor_bytes(ts) for kind, ts in held().items()}
         opt.zero_grad()
+        if len(times) == 1:
+            base = _start_peak()
+    peak = memory.peak_rss_bytes() - base
     if stage in (1, 2):
         state = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     else:
@@ -119,6 +122,7 @@ def train_zero(comm, cfg: dict) -> dict:
         "numel": sum(p.numel() for p in make_model(cfg).parameters()),
         "step_s": statistics.median(times[1:] or times),
         "peak_gathered_units": getattr(runner, "peak_gathered_units", None),
+        "peak_rss_growth": peak,
     }
 
 
@@ -143,31 +147,36 @@ def train_fsdp2(comm, cfg: dict) -> dict:
         opt.step()
         times.append(time.perf_counter() - t0)
         opt.zero_grad()
+        if len(times) == 1:
+            base = _start_peak()
+    peak = memory.peak_rss_bytes() - base
     state = {n: p.full_tensor().detach().cpu().clone() for n, p in model.named_parameters()}
-    return {"state": state, "step_s": statistics.median(times[1:] or times)}
+    return {"state": state, "step_s": statistics.median(times[1:] or times), "peak_rss_growth": peak}
 
 
-def _peak_rss_of(fn, *args) -> tuple[dict, int]:
+def _start_peak() -> int:
+    """After the warm-up step: the RSS now, and the peak reset to it (``minidist.memory``)."""
     gc.collect()
-    base = memory.rss_bytes()
     memory.reset_peak_rss()
-    out = fn(*args)
-    return out, memory.peak_rss_bytes() - base
+    return memory.rss_bytes()
 
 
 def compare_with_fsdp2(comm, cfg: dict) -> dict:
-    """Ours (stage 3) then FSDP2 in the same launch (transport="torch"): median step seconds and
-    peak RSS growth per rank (bytes above the RSS before each run; ``minidist.memory``)."""
-    ours, ours_peak = _peak_rss_of(train_zero, comm, {**cfg, "stage": 3})
+    """Ours (stage 3) then FSDP2 in the same launch (transport="torch"), same model and data.
+
+    Per rank: final full parameters, median step seconds (first step left out) and the peak RSS
+    growth over the steps after the first (``minidist.memory.peak_rss_bytes`` above the RSS
+    after the warm-up step: what the step itself allocates, gathered weights and activations)."""
+    ours = train_zero(comm, {**cfg, "stage": 3})
     gc.collect()
-    theirs, theirs_peak = _peak_rss_of(train_fsdp2, comm, cfg)
+    theirs = train_fsdp2(comm, cfg)
     return {
         "ours": ours["state"],
         "fsdp2": theirs["state"],
         "ours_step_s": ours["step_s"],
         "fsdp2_step_s": theirs["step_s"],
-        "ours_peak_rss": ours_peak,
-        "fsdp2_peak_rss": theirs_peak,
+        "ours_peak_rss_growth": ours["peak_rss_growth"],
+        "fsdp2_peak_rss_growth": theirs["peak_rss_growth"],
     }
 
 

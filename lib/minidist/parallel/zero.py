@@ -37,7 +37,8 @@ except while the unit computes::
 
     forward   root: gather | unit0: gather, run, free | unit1: gather, run, free | ... | head
                              prefetch unit1 ->          prefetch unit2 ->
-    backward  root: gather | unitK: gather, backward, reduce-scatter grad, free | ... | root: reduce-scatter, free
+    backward  root: gather | unitK: gather, backward, reduce-scatter grad, free | ...
+              ... | root: reduce-scatter, free
                              prefetch unitK-1 ->
 
 Hooks do the work: a forward pre-hook gathers (and prefetches the next unit with an async
@@ -63,7 +64,6 @@ uses, and the traffic is still 3 psi (N-1)/N. Parameters that belong to no unit 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 
 import torch
@@ -118,7 +118,8 @@ def _check_same_shapes(comm, params: list[torch.Tensor], what: str) -> None:
     for rank in range(comm.world_size):
         if not torch.equal(rows[rank], rows[0]):
             raise ValueError(
-                f"{what}: rank {rank} has {int(rows[rank, 0])} parameters with {int(rows[rank, 1])} elements, "
+                f"{what}: rank {rank} has {int(rows[rank, 0])} parameters with "
+                f"{int(rows[rank, 1])} elements, "
                 f"rank 0 has {int(rows[0, 0])} with {int(rows[0, 1])} (or different shapes): every rank must "
                 "build the same model"
             )
@@ -483,10 +484,3 @@ class FullyShardedModule(nn.Module):
             for p, off in zip(u.params, u.offsets):
                 out[names[id(p)]] = rows[off : off + p.numel()].view(p.shape).clone()
         return out
-
-
-def timed(fn, *args, **kwargs):
-    """(result, seconds) of one call."""
-    t0 = time.perf_counter()
-    result = fn(*args, **kwargs)
-    return result, time.perf_counter() - t0
