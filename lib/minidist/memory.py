@@ -525,6 +525,10 @@ def estimate(
                        shows they are small next to the layers').
         "minidist"     ``decoder_activation_bytes``: our ``DecoderLM`` exactly, element size from
                        ``precision``; only for tp = pp = 1 and recompute "none".
+
+    Not counted: temporary buffers (ZeRO-3's gathered unit, communication buckets, the logits
+    before the loss), the one layer that recomputation re-materialises during backward, and the
+    allocator's fragmentation -- a real run needs some headroom above "total".
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
