@@ -206,6 +206,18 @@ def test_korthikanti_formulas_agree_where_they_must():
     assert 5 * a * s / h > 34
 
 
+def test_pipeline_first_stage_holds_all_layers_worth_under_1f1b():
+    # Korthikanti et al., section 4.2.3: under 1F1B stage 0 keeps p micro-batches of L/p layers.
+    cfg = decoder.CONFIGS["opt-175b"]  # GPT-3's vocabulary (50257) does not split 8 ways; OPT's does
+    per_layer = memory.activation_bytes_per_layer(2048, 1, 12288, 96, tp=8)
+    first = memory.estimate(cfg, batch=1, seq=2048, tp=8, pp=16)["activations"]
+    last = memory.estimate(cfg, batch=1, seq=2048, tp=8, pp=16, stage=15)["activations"]
+    assert first == pytest.approx(96 * per_layer)
+    assert last == pytest.approx(96 / 16 * per_layer)  # one micro-batch in flight
+    gpipe = memory.estimate(cfg, batch=1, seq=2048, tp=8, pp=16, in_flight=64)["activations"]
+    assert gpipe == pytest.approx(4 * first)  # GPipe keeps all m = 64 micro-batches
+
+
 def test_our_block_is_the_paper_minus_dropout():
     # With 2-byte elements (and no LayerNorm statistics, which the paper leaves out), our dropout-free
     # block keeps the paper's list minus the two sbh masks, the as²b mask and the 2as²b dropout output.
