@@ -43,6 +43,7 @@ def schedule_of(name: str, p: int, m: int, chunks: int = 1):
 
 
 def pipeline_step(comm, name: str, m: int, batch_size: int, chunks: int = 1) -> dict:
+    """One step of schedule ``name`` from fresh weights: loss, gradients by name, peak, action times."""
     p, r = comm.world_size, comm.rank
     schedule = schedule_of(name, p, m, chunks)
     mine = stages.split_decoder(tiny_model(), p, chunks)[r]
@@ -67,6 +68,11 @@ def pipeline_step(comm, name: str, m: int, batch_size: int, chunks: int = 1) -> 
         "peak": out.peak_in_flight,
         "actions": [(a, s + out.origin_s, e + out.origin_s) for a, s, e in out.actions],
     }
+
+
+def pipeline_steps(comm, names: list[str], m: int, batch_size: int, chunks: int = 1) -> dict:
+    """``pipeline_step`` for each schedule name in one launch (launches are the slow part of a test)."""
+    return {name: pipeline_step(comm, name, m, batch_size, chunks) for name in names}
 
 
 class _Crash(torch.nn.Module):

@@ -147,13 +147,18 @@ def test_run_pipeline_refuses_bad_input_before_talking():
 
 
 @pytest.mark.parametrize(
-    "name, p, m, chunks",
-    [("gpipe", 2, 4, 1), ("1f1b", 2, 4, 1), ("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2)],
+    "names, p, m, chunks",
+    [(["gpipe", "1f1b"], 2, 4, 1), (["gpipe", "1f1b"], 4, 8, 1), (["interleaved"], 2, 4, 2)],
 )
-def test_pipeline_step_equals_one_process(name, p, m, chunks):
+def test_pipeline_step_equals_one_process(names, p, m, chunks):
     batch = 8
-    outs = md.launch(w.pipeline_step, p, args=(name, m, batch, chunks), transport="shm", timeout=120)
+    runs = md.launch(w.pipeline_steps, p, args=(names, m, batch, chunks), transport="shm", timeout=120)
     want_loss, want_grads = w.reference(batch)
+    for name in names:
+        check_step([run[name] for run in runs], name, p, m, chunks, want_loss, want_grads)
+
+
+def check_step(outs, name, p, m, chunks, want_loss, want_grads):
     assert outs[-1]["loss"] == pytest.approx(want_loss, rel=1e-12)
     assert all(o["loss"] is None for o in outs[:-1])
     grads = {}
@@ -165,7 +170,7 @@ def test_pipeline_step_equals_one_process(name, p, m, chunks):
     assert grads.keys() == want_grads.keys()
     for key in want_grads:
         torch.testing.assert_close(
-            grads[key], want_grads[key], rtol=1e-10, atol=1e-12, msg=lambda s: f"{key}: {s}"
+            grads[key], want_grads[key], rtol=1e-10, atol=1e-12, msg=lambda s: f"{name} {key}: {s}"
         )
 
     schedule = w.schedule_of(name, p, m, chunks)
