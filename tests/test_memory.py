@@ -268,6 +268,18 @@ def test_block_activation_bytes_match_saved_tensors(hidden, heads, ffn, pre_ln, 
     assert measured == pytest.approx(formula, rel=0.05)
 
 
+def test_full_recompute_keeps_only_the_layer_input():
+    # Korthikanti's "full" row (2sbh at 2 bytes) is the checkpointed block's input: measure it.
+    from torch.utils.checkpoint import checkpoint
+
+    cfg = _tiny_decoder(hidden=32, heads=2)
+    block = transformer.TransformerBlock(cfg).to(torch.bfloat16)
+    b, s, h = 2, 12, 32
+    x = torch.randn(b, s, h, dtype=torch.bfloat16)
+    saved = memory.saved_activation_bytes(lambda: checkpoint(block, x, use_reentrant=False))
+    assert saved == memory.activation_bytes_per_layer(s, b, h, 2, recompute="full")
+
+
 @pytest.mark.parametrize("alibi", [False, True])
 def test_decoder_activation_bytes_match_saved_tensors(alibi):
     torch.manual_seed(0)

@@ -198,6 +198,8 @@ def saved_activation_bytes(fn: Callable, *args, **kwargs) -> int:
     linear's output storage). Integer tensors count too (an embedding saves its token ids).
     What does not: parameters, tensors freed before backward that autograd did not save, and
     the output itself unless an op saved it. The graph is dropped when this returns.
+    Under ``torch.utils.checkpoint`` (either flavour) only what the checkpoint keeps is seen:
+    the region's inputs, not the tensors it will recompute.
     """
     _, records = saved_tensors(fn, *args, **kwargs)
     return sum(r.storage_bytes for r in records if r.new_storage)
