@@ -54,6 +54,15 @@ def test_stage_equals_one_process_traffic_and_memory(stage):
     _check_run(outs, cfg)
 
 
+def test_stage3_without_prefetch_holds_one_unit_at_a_time():
+    cfg = w.config(stage=3, steps=3, prefetch=False, dtype="float64")
+    outs = md.launch(w.train_zero, 2, args=(cfg,), transport="pipe", timeout=90)
+    want = w.reference(cfg)
+    for out in outs:
+        assert out["peak_gathered_units"] == 1
+        _assert_equal_states(out["state"], want)
+
+
 def test_stage3_four_ranks_with_padding():
     """hidden 30 on 4 ranks: the norms' 30 elements do not divide by 4, so units are padded."""
     cfg = w.config(stage=3, world_size=4, hidden=30, steps=4, batch=1, dtype="float64")

@@ -64,6 +64,7 @@ uses, and the traffic is still 3 psi (N-1)/N. Parameters that belong to no unit 
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable
 
 import torch
@@ -113,7 +114,7 @@ def _padded(n: int, world: int) -> int:
 def _check_same_shapes(comm, params: list[torch.Tensor], what: str) -> None:
     """Once at construction: every rank must shard the same list of shapes (else shards would not line up)."""
     signature = repr([tuple(p.shape) for p in params])
-    mine = torch.tensor([len(params), sum(p.numel() for p in params), hash(signature) & 0x7FFFFFFF])
+    mine = torch.tensor([len(params), sum(p.numel() for p in params), zlib.crc32(signature.encode())])
     rows = allgather(comm, mine)
     for rank in range(comm.world_size):
         if not torch.equal(rows[rank], rows[0]):
@@ -234,7 +235,7 @@ class ZeroOptimizer:
 
     def held_tensors(self) -> dict:
         """What this rank holds, by kind (for ``minidist.memory.tensor_bytes``)."""
-        grads = [self.flat_grad] if self.stage == 1 else [self.shard.grad] + [p.grad for p in self.params]
+        grads = [self.flat_grad, self.shard.grad] + [p.grad for p in self.params]  # views count once
         return {
             "params": [self.flat],
             "grads": [g for g in grads if g is not None],
