@@ -7,17 +7,23 @@ the backward (``("B", i)``) and sends the input gradient to stage r - 1.
 
 A *schedule* is plain data: one list per stage of the actions that stage runs, in order.
 
-GPipe (Huang et al. 2019): all forwards, then all backwards. Stage r holds the activations of
-all m microbatches at the peak. With t_F = 1, t_B = 2, p = 4, m = 4 (``draw_ascii``)::
+GPipe (Huang et al. 2019): all forwards, then all backwards. Every stage holds the activations
+of all m microbatches at the peak. With t_F = 1, t_B = 2, p = 4, m = 4 (``draw_ascii``)::
 
-    stage 0 |F0 F1 F2 F3 .  .  .  .  .  .  .  .  .  .  .  .  .  .  B0 B0 B1 B1 B2 B2 B3 B3
-    stage 1 |.  F0 F1 F2 F3 .  .  .  .  .  .  .  .  .  .  .  B0 B0 B1 B1 ...
-    ...
+    stage 0 |F0 F1 F2 F3 .  .  .  .  .  .  .  .  .  B0 B0 B1 B1 B2 B2 B3 B3
+    stage 1 |.  F0 F1 F2 F3 .  .  .  .  .  .  B0 B0 B1 B1 B2 B2 B3 B3 .  .
+    stage 2 |.  .  F0 F1 F2 F3 .  .  .  B0 B0 B1 B1 B2 B2 B3 B3 .  .  .  .
+    stage 3 |.  .  .  F0 F1 F2 F3 B0 B0 B1 B1 B2 B2 B3 B3 .  .  .  .  .  .
 
 1F1B (PipeDream-flush, Narayanan et al. 2021): stage r first runs p - 1 - r forwards
 (warm-up), then alternates one forward and one backward (steady state), then drains the
-remaining backwards (cool-down). Same bubble as GPipe, but stage r never holds more than
-p - r microbatches: activation memory no longer grows with m.
+remaining backwards (cool-down). Same length, so the same bubble as GPipe, but stage r never
+holds more than p - r microbatches: activation memory no longer grows with m::
+
+    stage 0 |F0 F1 F2 F3 .  .  .  .  .  .  B0 B0 .  B1 B1 .  B2 B2 .  B3 B3
+    stage 1 |.  F0 F1 F2 .  .  .  .  B0 B0 F3 B1 B1 .  B2 B2 .  B3 B3 .  .
+    stage 2 |.  .  F0 F1 .  .  B0 B0 F2 B1 B1 F3 B2 B2 .  B3 B3 .  .  .  .
+    stage 3 |.  .  .  F0 B0 B0 F1 B1 B1 F2 B2 B2 F3 B3 B3 .  .  .  .  .  .
 
 The *bubble* is the idle share of p stages x makespan. With balanced stages both schedules
 give ``(p - 1) / (m + p - 1)`` (``bubble_formula``): p - 1 forward and p - 1 backward slots of
@@ -29,7 +35,10 @@ bubble-to-work ratio, (p - 1) / (v m)).
 The executor (``run_pipeline``) runs one stage's list over point-to-point messages. Sends are
 non-blocking (``isend``: the bytes are buffered and the stage goes on), receives block until
 the message has arrived. ``check_schedule`` simulates exactly that and refuses a schedule that
-would deadlock, so a schedule that passes the checker runs.
+would deadlock, so a schedule that passes the checker runs. (With sends that wait for their
+receiver, plain 1F1B would deadlock at once for p = 2: stage 0 sends F1 while stage 1 sends
+the gradient of B0, each waiting for the other to receive; Megatron pairs such a send and
+receive in one batched call.)
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ __all__ = [
     "run_pipeline",
     "PipelineResult",
     "measure_bubble",
+    "timeline_of",
     "SleepStage",
 ]
 
@@ -171,7 +181,7 @@ def _dependencies(action: Action, stage: int, p: int, v: int) -> list[tuple[int,
 
 
 def _name(action: Action, v: int) -> str:
-    kind, mb, chunk = action
+    kind, mb, chunk = (*action, 0)[:3]
     return f"{kind}{mb}" + (f".{chunk}" if v > 1 else "")
 
 
@@ -352,7 +362,8 @@ def plot_timeline(tl: Timeline, ax=None, title: str | None = None):
     ax.set_yticks(range(len(tl.stages)), [f"stage {r}" for r in range(len(tl.stages))])
     ax.invert_yaxis()
     ax.set_xlabel("time")
-    ax.set_title(title or f"bubble {tl.bubble_fraction:.1%}")
+    bubble = f"bubble {tl.bubble_fraction:.1%}"
+    ax.set_title(f"{title}: {bubble}" if title else bubble)
     return ax
 
 
@@ -525,6 +536,16 @@ def run_pipeline(
     return PipelineResult(loss, peak, busy, wall, record, t0)
 
 
+def timeline_of(results: Sequence[PipelineResult]) -> Timeline:
+    """The measured ``Timeline`` of a run, from every rank's ``PipelineResult`` (ranks on one machine).
+
+    Feed it to ``plot_timeline`` or ``draw_ascii``; its ``bubble_fraction`` is the measured bubble.
+    """
+    rows = [[(a, r.origin_s + s, r.origin_s + e) for a, s, e in r.actions] for r in results]
+    chunks = 1 + max((a[2] for row in rows for a, _, _ in row if len(a) == 3), default=0)
+    return Timeline(rows, chunks)
+
+
 # --- a measured bubble with sleep-timed stages --------------------------------------------------
 
 
@@ -586,8 +607,9 @@ def measure_bubble(
 ) -> dict:
     """Launch ``stages`` ranks running sleep-timed stages under a schedule; return the measured bubble.
 
-    Returns a dict: ``measured`` (1 - total busy / (p x longest wall)), ``formula``
-    (``bubble_formula``), ``simulated`` (``simulate``), ``wall_s`` and the per-rank results.
+    Returns a dict: ``measured`` (1 - busy / (p x makespan), from the recorded action times),
+    ``formula`` (``bubble_formula``), ``simulated`` (``simulate``), ``wall_s`` (the makespan),
+    ``timeline`` (the measured ``Timeline``, for ``plot_timeline``) and the per-rank results.
     Runs the step twice and measures the second (the first pays one-time costs).
     Cost: about 2 (m + p - 1) (t_forward + t_backward) seconds plus the launch (~1-2 s).
     """
@@ -601,13 +623,12 @@ def measure_bubble(
         transport=transport,
         timeout=timeout,
     )
-    start = min(o.origin_s for o in outs)  # one clock (perf_counter) for every rank on this machine
-    wall = max(o.origin_s + o.actions[-1][2] for o in outs) - start
-    busy = sum(o.busy_s for o in outs)
+    measured = timeline_of(outs)  # one clock (perf_counter) for every rank on this machine
     return {
-        "measured": 1.0 - busy / (stages * wall),
+        "measured": measured.bubble_fraction,
         "formula": bubble_formula(stages, microbatches, chunks),
         "simulated": simulate(schedule, t_forward, t_backward).bubble_fraction,
-        "wall_s": wall,
+        "wall_s": measured.makespan,
+        "timeline": measured,
         "results": outs,
     }
