@@ -204,3 +204,14 @@ def test_a_crashed_stage_is_reported_not_a_hang():
 def test_a_deadlocking_schedule_times_out_with_the_stuck_ranks():
     with pytest.raises(md.LaunchTimeout, match=r"ranks \[0, 1\]"):
         md.launch(w.deadlocked, 2, transport="shm", timeout=5, forward_output=False)
+
+
+def test_measure_bubble_runs_the_schedule_it_was_given():
+    # no timing assertion (machines are noisy): the measured run follows the schedule
+    p, m = 2, 3
+    r = pp.measure_bubble(p, m, pp.one_f_one_b, t_forward=0.001, t_backward=0.002, timeout=60)
+    schedule = pp.one_f_one_b(p, m)
+    assert [[a for a, _, _ in row] for row in r["timeline"].stages] == schedule
+    assert [o.peak_in_flight for o in r["results"]] == pp.peak_in_flight(schedule)
+    assert r["formula"] == pp.bubble_formula(p, m) == pytest.approx(r["simulated"])
+    assert r["measured"] == pytest.approx(r["timeline"].bubble_fraction)
