@@ -111,6 +111,34 @@ def one_process(
     return float(loss.detach()), [[p_.grad for p_ in stage.parameters()] for stage in stages]
 
 
+def timeline(schedule, t_forward: int = 1, t_backward: int = 2) -> tuple[list[str], float]:
+    """Simulate ``schedule`` (each action starts when its stage is free and its input is there;
+    sending takes no time): one text row per stage (a digit per time unit: the microbatch,
+    lower-case letters a, b, ... for backwards of 0, 1, ...; '.' idle) and the bubble fraction."""
+    p = len(schedule)
+    end, free, position = {}, [0] * p, [0] * p
+    rows = [[] for _ in range(p)]
+    while any(position[r] < len(schedule[r]) for r in range(p)):
+        for r in range(p):
+            while position[r] < len(schedule[r]):
+                kind, j = schedule[r][position[r]]
+                if kind == "F":
+                    deps = [(r - 1, "F", j)] if r > 0 else []
+                else:
+                    deps = [(r, "F", j)] + ([(r + 1, "B", j)] if r < p - 1 else [])
+                if any(d not in end for d in deps):
+                    break
+                start = max([free[r]] + [end[d] for d in deps])
+                length = t_forward if kind == "F" else t_backward
+                mark = str(j % 10) if kind == "F" else "abcdefghij"[j % 10]
+                rows[r] += ["."] * (start - len(rows[r])) + [mark] * length
+                free[r] = end[(r, kind, j)] = start + length
+                position[r] += 1
+    total = max(free)
+    busy = sum(t_forward if kind == "F" else t_backward for actions in schedule for kind, _ in actions)
+    return ["".join(row).ljust(total, ".") for row in rows], 1 - busy / (p * total)
+
+
 def launch(function, ranks: int, *args, timeout: float = 60):
     return md.launch(function, ranks, args=args, transport="pipe", timeout=timeout)
 

@@ -5,15 +5,17 @@ A schedule is, for every stage, the list of its actions in order: ``("F", j)`` r
 of microbatch j, ``("B", j)`` its backward. GPipe (given) does every forward, then every
 backward; stage r then holds the activations of all m microbatches at once. 1F1B (PipeDream-
 Flush, Narayanan et al. 2021) starts backwards as early as possible, so stage r holds at most
-``p - r`` (p = 4, m = 6; F = 1 time unit, B = 2; digits are microbatches)::
+``p - r``. p = 4 stages, m = 6 microbatches; a forward takes 1 time unit (digit: the
+microbatch), a backward 2 (letter: a = microbatch 0, b = 1, ...), ``.`` is idle::
 
-    time      0123456789...
-    stage 0   0123   44 55 ...         warm-up: p - 1 - r forwards, then one F, one B, ...
-    stage 1    0123 ...                 stage r: warm-up  min(p - 1 - r, m) forwards
-    stage 2     012 ...                          steady   F, B, F, B, ... (m - warm-up pairs)
-    stage 3      0BB1BB2BB3BB4BB5BB             cool-down the last warm-up backwards
+    GPipe     012345.........aabbccddeeff        1F1B      0123......aa4bb5cc.dd.ee.ff
+              .012345......aabbccddeeff..                  .012....aa3bb4cc5dd.ee.ff..
+              ..012345...aabbccddeeff....                  ..01..aa2bb3cc4dd5ee.ff....
+              ...012345aabbccddeeff......                  ...0aa1bb2cc3dd4ee5ff......
+    held      6, 6, 6, 6 microbatches                      4, 3, 2, 1
 
-Both have the same bubble, (p - 1) / (m + p - 1) of the time idle; 1F1B's gain is memory.
+Both have the same bubble, (p - 1) / (m + p - 1) of the time idle (3/9 here); 1F1B's gain is
+memory.
 
 =====  ========================  ================================================================
 task   where                     what it does
@@ -113,7 +115,7 @@ def run_stage(
     activation_shape: Sequence[int],
 ) -> StageResult:
     """Run this rank's ``actions`` (``schedule[comm.rank]``) for ``stage``; rank r is stage r of
-    p = ``comm.world_size``, m = ``len(inputs or targets)`` microbatches.
+    p = ``comm.world_size``; m, the number of microbatches, is the number of forwards in ``actions``.
 
     ``("F", j)``:
       * the input: stage 0 takes ``inputs[j]``; stage r > 0 receives it from rank r - 1
@@ -140,7 +142,7 @@ def run_stage(
     ### BEGIN SOLUTION TODO(task 7): write run_stage
     rank, p = comm.rank, comm.world_size
     first, last = rank == 0, rank == p - 1
-    m = len(inputs if inputs is not None else targets)
+    m = sum(1 for kind, _ in actions if kind == "F")
     kept: dict[int, tuple] = {}
     losses: list[float] = []
     peak = 0

@@ -1,0 +1,164 @@
+"""Runs for the public tests of assignment 5: your layers and your stage step on a few ranks.
+
+``md.launch`` starts the worker processes; ``tp_mlp`` and ``pipeline`` are what each of them
+runs (your modules are imported there, afresh at every launch). ``dense_mlp`` and
+``one_process`` are the references: the same model in one process. Nothing to change here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import minidist as md
+from minidist.models.transformer import MLP, TransformerConfig
+
+HERE = Path(__file__).resolve().parent
+
+
+# --- tensor parallel ------------------------------------------------------------------------
+def dense_mlp(d: int, ffn: int, seed: int = 0) -> MLP:
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(
+        vocab_size=8, hidden_size=d, n_layers=1, n_heads=1, max_positions=8, intermediate_size=ffn
+    )
+    return MLP(cfg)
+
+
+def mlp_input(d: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(3, 4, d, generator=torch.Generator().manual_seed(seed + 1))
+
+
+def count_allreduces():
+    """Wrap ``md.allreduce`` to count its calls (before your module is imported); returns the list."""
+    calls: list[int] = []
+    original = md.allreduce
+
+    def counted(comm, tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return original(comm, tensor, *args, **kwargs)
+
+    md.allreduce = counted
+    return calls
+
+
+def tp_mlp(comm, d: int, ffn: int, seed: int = 0) -> dict:
+    """Each rank: your ParallelMLP loaded from the dense one; output, shard gradients, input
+    gradient and the number of allreduces in forward and in backward."""
+    calls = count_allreduces()
+    tp = importlib.import_module("tp_layers")
+    mlp = tp.ParallelMLP(d, ffn, comm)
+    mlp.load_dense(dense_mlp(d, ffn, seed))
+    x = mlp_input(d, seed).requires_grad_()
+    out = mlp(x)
+    forward = len(calls)
+    out.pow(2).sum().backward()
+    return {
+        "out": out.detach(),
+        "x_grad": x.grad,
+        "grads": {name: p.grad for name, p in mlp.named_parameters()},
+        "allreduces": (forward, len(calls) - forward),
+    }
+
+
+# --- pipeline ---------------------------------------------------------------------------------
+def make_stages(p: int, width: int, classes: int, seed: int = 0) -> list[nn.Module]:
+    """A small MLP cut into p stages: Linear + tanh each; the last ends in a Linear to classes."""
+    torch.manual_seed(seed)
+    stages = [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(p)]
+    stages[-1].append(nn.Linear(width, classes))
+    return stages
+
+
+def microbatches(m: int, rows: int, width: int, classes: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed + 7)
+    xs = [torch.randn(rows, width, generator=g) for _ in range(m)]
+    return xs, [torch.randint(0, classes, (rows,), generator=g) for _ in range(m)]
+
+
+def pipeline(comm, m: int, rows: int, width: int, classes: int, kind: str = "1f1b") -> dict:
+    """Rank r runs stage r with your ``run_stage``; its gradients, loss, peak and messages sent."""
+    schedule = importlib.import_module("schedule")
+    p = comm.world_size
+    stage = make_stages(p, width, classes)[comm.rank]
+    xs, ys = microbatches(m, rows, width, classes)
+    plan = (schedule.one_f_one_b if kind == "1f1b" else schedule.gpipe)(p, m)
+    before = comm.stats.copy()
+    result = schedule.run_stage(stage, comm, plan[comm.rank], xs, ys, F.cross_entropy, (rows, width))
+    return {
+        "loss": result.loss,
+        "peak": result.peak_in_flight,
+        "messages": (comm.stats - before).messages_sent,
+        "grads": [p_.grad for p_ in stage.parameters()],
+    }
+
+
+def one_process(
+    p: int, m: int, rows: int, width: int, classes: int
+) -> tuple[float, list[list[torch.Tensor]]]:
+    """The mean loss over the microbatches and every stage's gradients, in this process."""
+    stages = make_stages(p, width, classes)
+    model = nn.Sequential(*stages)
+    xs, ys = microbatches(m, rows, width, classes)
+    loss = sum(F.cross_entropy(model(x), y) for x, y in zip(xs, ys)) / m
+    loss.backward()
+    return float(loss.detach()), [[p_.grad for p_ in stage.parameters()] for stage in stages]
+
+
+def timeline(schedule, t_forward: int = 1, t_backward: int = 2) -> tuple[list[str], float]:
+    """Simulate ``schedule`` (each action starts when its stage is free and its input is there;
+    sending takes no time): one text row per stage (a digit per time unit: the microbatch,
+    lower-case letters a, b, ... for backwards of 0, 1, ...; '.' idle) and the bubble fraction."""
+    p = len(schedule)
+    end, free, position = {}, [0] * p, [0] * p
+    rows = [[] for _ in range(p)]
+    while any(position[r] < len(schedule[r]) for r in range(p)):
+        for r in range(p):
+            while position[r] < len(schedule[r]):
+                kind, j = schedule[r][position[r]]
+                if kind == "F":
+                    deps = [(r - 1, "F", j)] if r > 0 else []
+                else:
+                    deps = [(r, "F", j)] + ([(r + 1, "B", j)] if r < p - 1 else [])
+                if any(d not in end for d in deps):
+                    break
+                start = max([free[r]] + [end[d] for d in deps])
+                length = t_forward if kind == "F" else t_backward
+                mark = str(j % 10) if kind == "F" else "abcdefghij"[j % 10]
+                rows[r] += ["."] * (start - len(rows[r])) + [mark] * length
+                free[r] = end[(r, kind, j)] = start + length
+                position[r] += 1
+    total = max(free)
+    busy = sum(t_forward if kind == "F" else t_backward for actions in schedule for kind, _ in actions)
+    return ["".join(row).ljust(total, ".") for row in rows], 1 - busy / (p * total)
+
+
+def launch(function, ranks: int, *args, timeout: float = 60):
+    return md.launch(function, ranks, args=args, transport="pipe", timeout=timeout)
+
+
+def try_run(function, *args, **kwargs):
+    """``function(*args)``, or None (and a note) while a part of your code is not written yet."""
+    try:
+        return function(*args, **kwargs)
+    except NotImplementedError as error:
+        print(f"not implemented yet ({error}): nothing to show.")
+    except md.WorkerError as error:
+        if error.exc_type != "NotImplementedError":
+            raise
+        print(f"not implemented yet ({error.summary}): nothing to show.")
+    return None
+
+
+def run_public_tests(*pytest_args: str) -> bool:
+    """Run test_a5_model_parallel.py in a fresh process (your latest code); print its report."""
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_a5_model_parallel.py"]
+    result = subprocess.run([*command, *pytest_args], cwd=HERE, capture_output=True, text=True)
+    print(result.stdout[-20_000:], result.stderr[-5_000:], sep="")
+    return result.returncode == 0

@@ -1,0 +1,119 @@
+"""How ``python -m grader grade`` runs assignment 4: the hidden tests as jobs plus trusted checks.
+
+Each ``Case`` of ``test_hidden.cases(seed)`` becomes a ``Job`` (a worker of ``workers.py``, its
+ranks and JSON arguments, with seeds only this run knows) that the sandbox runs, and the case's
+check, which runs here on the reports read back as JSON and ``.npy``: the dense model and
+the schedules (``reference.py``) are recomputed here from the same arguments. The sandbox gets ``workers.py``
+and ``rules.py`` only: never ``test_hidden.py``, ``reference.py``, the expected values or the
+points.
+"""
+
+from __future__ import annotations
+
+import re
+
+from grader.forbidden import Rules
+from grader.plan import GradedTest, Job
+
+from . import STUDENT_FILES, rules
+from . import test_hidden as hidden
+
+__all__ = [
+    "STUDENT_FILES",
+    "SANDBOX_FILES",
+    "FORBIDDEN",
+    "SIMILAR_TO",
+    "GIVEN_FUNCTIONS",
+    "graded_tests",
+    "failure_message",
+    "import_failure",
+    "redact",
+    "HINTS",
+]
+
+#: files of this folder the sandbox needs (workers, and the rules their guard enforces); never test_hidden.py
+SANDBOX_FILES = ("workers.py", "rules.py")
+#: what a submission may not use (``rules.py``): refused at intake and, in the sandbox, at run time
+FORBIDDEN = Rules.of(rules)
+#: the library files a submission is compared with (``grader/similarity.py``), relative to the root
+SIMILAR_TO = ("lib/minidist/parallel/tensor.py", "lib/minidist/parallel/pipeline.py")
+#: functions the stub gives (every submission has them): not compared
+GIVEN_FUNCTIONS = (
+    "shard_range",
+    "_GatherLastDim.forward",
+    "_GatherLastDim.backward",
+    "_ScatterLastDim.forward",
+    "_ScatterLastDim.backward",
+    "gather_from_tensor_parallel",
+    "scatter_to_tensor_parallel",
+    "copy_to_tensor_parallel",
+    "reduce_from_tensor_parallel",
+    "_check_sizes",
+    "gpipe",
+)
+WORKERS_MODULE = "workers"
+
+HINTS = {
+    "copy_to_tensor_parallel": "f: forward returns x.clone() (no communication); backward returns "
+    "md.allreduce(ctx.comm, grad.clone()), None. g is the mirror image.",
+    "reduce_from_tensor_parallel": "g: forward returns md.allreduce(comm, x.clone()); "
+    "backward returns grad, None.",
+    "ColumnParallelLinear": "Rank r keeps rows [r d_out/p, (r+1) d_out/p) of W and b; forward: "
+    "F.linear(f(x), W_r, b_r), gathered only if gather_output.",
+    "RowParallelLinear": "Rank r keeps columns [r d_in/p, (r+1) d_in/p) of W and the whole bias; forward: "
+    "g(F.linear(x_r, W_r)) + b -- the bias after the sum, once.",
+    "ParallelMLP": "up: ColumnParallelLinear(d, ffn) without gather; exact F.gelu; "
+    "down: RowParallelLinear(ffn, d) "
+    "with a parallel input. No other allreduce: one forward (g), one backward (f).",
+    "one_f_one_b": "Stage r: w = min(p - 1 - r, m) forwards; then m - w pairs (F w+i, B i); then the last w "
+    "backwards. It holds at most p - r microbatches (GPipe holds m).",
+    "run_stage": "F: input (inputs[j] or recv from r-1, requires_grad_), out = stage(x), send to r+1 or "
+    "the loss; B: (loss/m).backward() or recv the gradient from r+1 and out.backward(grad); "
+    "send x.grad to r-1. One message per microbatch and direction; count what is kept.",
+}
+
+
+def graded_tests(seed: int) -> list[GradedTest]:
+    """Every hidden test of ``test_hidden.py``, in its order, as (job, trusted check)."""
+    return [
+        GradedTest(
+            case.name,
+            case.points,
+            case.function,
+            Job(WORKERS_MODULE, case.worker, case.world_size, case.args, case.transport),
+            case.check,
+        )
+        for case in hidden.cases(seed)
+    ]
+
+
+def failure_message(test: GradedTest, error: dict, seconds: float) -> str:
+    """The student-facing message for a job that did not return (``error`` as the harness wrote it)."""
+    job, text = test.job, str(error.get("text", ""))
+    if error.get("kind") == "timeout":
+        return hidden.timeout_failure(test.function, job.world_size, job.transport, seconds, text)
+    if error.get("kind") == "worker":
+        exc_type, summary = str(error.get("exc_type", "")), str(error.get("summary", ""))
+        return hidden.worker_failure(
+            test.function, job.world_size, job.transport, exc_type, error.get("rank", "?"), summary, text
+        )
+    return f"{test.function}: the test harness failed: {text}"
+
+
+def import_failure(error: dict) -> str | None:
+    """A one-line summary when a job failed because a student module could not be imported."""
+    text, exc_type = str(error.get("text", "")), str(error.get("exc_type", ""))
+    if error.get("kind") != "worker":
+        return None
+    if exc_type in ("ImportError", "ModuleNotFoundError", "SyntaxError") or "import_module(name)" in text:
+        return f"{exc_type or 'the process died'}: {str(error.get('summary', ''))[:200]}"
+    return None
+
+
+#: ", expected <value>" up to a following " (N of M elements differ)" or the end of the line
+_EXPECTED_VALUE = re.compile(r", expected (?:(?! \(\d+ of )[^\n])*")
+
+
+def redact(message: str) -> str:
+    """What a student may see: the wrong value, not the expected one."""
+    return _EXPECTED_VALUE.sub(", which is wrong", message)

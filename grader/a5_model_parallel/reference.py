@@ -1,0 +1,383 @@
+"""The trusted side of assignment 5's hidden tests: the dense computations, the schedules written
+a second time, a brute-force checker and a simulator, and the checks.
+
+Nothing here runs next to student code, and nothing here uses the library's tensor or pipeline
+parallelism (``minidist.parallel.tensor``/``pipeline``) or the solution: the dense model is plain
+torch in this process, and the 1F1B schedule is derived again from its definition (stage r may
+hold at most p - r microbatches, and starts a backward as soon as it may), so that a bug in the
+library or the solution is not graded as right. ``tests/test_grade_a5.py`` checks the reference
+against the solution's schedules.
+
+Each ``*_check`` returns a function of the ranks' reports (read back as data) that raises
+``AssertionError`` with a message a student may read: it names what differs and by how much,
+never the expected value.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from . import workers
+
+ATOL, RTOL = 1e-9, 1e-7  # float64 throughout: the same sums in another order
+
+
+# --- schedules, the second time ------------------------------------------------------------------
+def gpipe(p: int, m: int) -> list[list[tuple[str, int]]]:
+    return [[("F", j) for j in range(m)] + [("B", j) for j in range(m)] for _ in range(p)]
+
+
+def one_f_one_b(p: int, m: int) -> list[list[tuple[str, int]]]:
+    """Greedy: stage r runs the next forward while it holds fewer than min(p - r, m) microbatches
+    (or has no backward left to run), else the next backward."""
+    out = []
+    for r in range(p):
+        limit, forwards, backwards, actions = min(p - r, m), 0, 0, []
+        while backwards < m:
+            if forwards < m and forwards - backwards < limit:
+                actions.append(("F", forwards))
+                forwards += 1
+            else:
+                actions.append(("B", backwards))
+                backwards += 1
+        out.append(actions)
+    return out
+
+
+def as_actions(schedule) -> list[list[tuple[str, int]]]:
+    """A reported schedule as lists of (str, int) tuples; AssertionError if it is not one."""
+    try:
+        return [[(str(kind), int(j)) for kind, j in actions] for actions in schedule]
+    except (TypeError, ValueError) as error:
+        raise AssertionError(
+            f"a schedule is a list (one per stage) of ('F', j) / ('B', j): {error}"
+        ) from None
+
+
+def check_schedule(schedule, p: int, m: int) -> None:
+    """Every stage runs F j and B j once each; run in order, stage by stage, a forward waits for
+    the previous stage's forward, a backward for its own forward and the next stage's backward.
+    Brute force: advance any stage whose next action is ready until all are done, or none can
+    move (a deadlock). AssertionError naming the first violation."""
+    if len(schedule) != p:
+        raise AssertionError(f"{len(schedule)} stage lists for {p} stages")
+    want = sorted([("F", j) for j in range(m)] + [("B", j) for j in range(m)])
+    for r, actions in enumerate(schedule):
+        if sorted(actions) != want:
+            raise AssertionError(
+                f"stage {r} does not run each of the {m} forwards and backwards exactly once"
+            )
+    done: set[tuple[int, str, int]] = set()
+    position = [0] * p
+    while True:
+        moved = False
+        for r in range(p):
+            if position[r] == len(schedule[r]):
+                continue
+            kind, j = schedule[r][position[r]]
+            if kind == "F":
+                ready = r == 0 or (r - 1, "F", j) in done
+            else:
+                ready = (r, "F", j) in done and (r == p - 1 or (r + 1, "B", j) in done)
+            if ready:
+                done.add((r, kind, j))
+                position[r] += 1
+                moved = True
+        if all(position[r] == len(schedule[r]) for r in range(p)):
+            return
+        if not moved:
+            stuck = ", ".join(
+                f"stage {r} at {schedule[r][position[r]]}" for r in range(p) if position[r] < 2 * m
+            )
+            raise AssertionError(f"the schedule deadlocks: {stuck} wait for each other")
+
+
+def simulate(schedule, t_forward: float = 1.0, t_backward: float = 2.0) -> float:
+    """The bubble fraction: every action starts when its stage is free and its inputs are there
+    (no communication time); 1 - busy time / (p x the time of the whole step)."""
+    p = len(schedule)
+    end: dict[tuple[int, str, int], float] = {}
+    free, position = [0.0] * p, [0] * p
+    while any(position[r] < len(schedule[r]) for r in range(p)):
+        for r in range(p):
+            while position[r] < len(schedule[r]):
+                kind, j = schedule[r][position[r]]
+                deps = [(r - 1, "F", j)] if kind == "F" and r > 0 else []
+                if kind == "B":
+                    deps = [(r, "F", j)] + ([(r + 1, "B", j)] if r < p - 1 else [])
+                if any(d not in end for d in deps):
+                    break
+                start = max([free[r]] + [end[d] for d in deps])
+                free[r] = end[(r, kind, j)] = start + (t_forward if kind == "F" else t_backward)
+                position[r] += 1
+    busy = sum(t_forward if kind == "F" else t_backward for actions in schedule for kind, _ in actions)
+    return 1.0 - busy / (p * max(free))
+
+
+def bubble_formula(p: int, m: int) -> float:
+    return (p - 1) / (m + p - 1)
+
+
+def peaks(schedule) -> list[int]:
+    """Per stage, the most microbatches forwarded and not yet backwarded at once."""
+    out = []
+    for actions in schedule:
+        live = peak = 0
+        for kind, _ in actions:
+            live += 1 if kind == "F" else -1
+            peak = max(peak, live)
+        out.append(peak)
+    return out
+
+
+# --- tensor parallel: the dense model --------------------------------------------------------
+def _close(what: str, got, want, atol: float = ATOL, rtol: float = RTOL) -> None:
+    if not torch.is_tensor(got):
+        raise AssertionError(f"{what}: got {type(got).__name__}, not a tensor")
+    if tuple(got.shape) != tuple(want.shape):
+        raise AssertionError(f"{what}: shape {tuple(got.shape)}, which is wrong")
+    got = got.to(want.dtype)
+    if not torch.allclose(got, want, rtol=rtol, atol=atol):
+        diff = float((got - want).abs().max())
+        raise AssertionError(f"{what}: differs from the dense model by up to {diff:.3g}")
+
+
+def _counts(what: str, calls: list[dict], want: dict[tuple[str, str], int]) -> None:
+    got: dict[tuple[str, str], int] = {}
+    for call in calls:
+        key = (call["phase"], call["function"])
+        got[key] = got.get(key, 0) + 1
+    for key in sorted(set(got) | set(want)):
+        if got.get(key, 0) != want.get(key, 0):
+            phase, function = key
+            raise AssertionError(
+                f"{what}: {got.get(key, 0)} call(s) of md.{function} in the {phase}, which is wrong"
+            )
+
+
+def operators_check(what: str, spec: dict):
+    def check(reports: list[dict]) -> None:
+        p = spec["world_size"]
+        xs = [workers.tensor(spec, "x", r) for r in range(p)]
+        ups = [workers.tensor(spec, "up", r) for r in range(p)]
+        for r, report in enumerate(reports):
+            _close(f"{what}, rank {r}: f's forward", report["f_out"], xs[r])
+            _close(f"{what}, rank {r}: f's backward (the gradient of x)", report["f_grad"], sum(ups))
+            _close(f"{what}, rank {r}: g's forward", report["g_out"], sum(xs))
+            _close(f"{what}, rank {r}: g's backward (the gradient of x)", report["g_grad"], ups[r])
+            _close(f"{what}, rank {r}: x after f and g (it must not change)", report["x_after"], xs[r])
+            want = {("f forward", "allreduce"): 0, ("f backward", "allreduce"): 1}
+            want.update({("g forward", "allreduce"): 1, ("g backward", "allreduce"): 0})
+            _counts(f"{what}, rank {r}", report["calls"], {k: v for k, v in want.items() if v})
+
+    return check
+
+
+def linear_check(what: str, spec: dict):
+    """Column- or row-parallel against ``F.linear`` with the dense weight, every shard's gradient."""
+
+    def check(reports: list[dict]) -> None:
+        p, kind = spec["world_size"], spec["kind"]
+        weight, bias, x, upstream = workers.dense_linear(spec)
+        weight.requires_grad_()
+        if bias is not None:
+            bias.requires_grad_()
+        x = x.clone().requires_grad_()
+        out = F.linear(x, weight, bias)
+        (out * upstream).sum().backward()
+        for r, report in enumerate(reports):
+            where = f"{what}, rank {r}"
+            if kind == "column":
+                rows = slice(r * spec["d_out"] // p, (r + 1) * spec["d_out"] // p)
+                local = out.detach() if spec["gather_output"] else out.detach()[..., rows]
+                _close(f"{where}: the output", report["out"], local)
+                _close(f"{where}: the weight's gradient", report["weight_grad"], weight.grad[rows])
+                if bias is not None:
+                    _close(f"{where}: the bias's gradient", report["bias_grad"], bias.grad[rows])
+                _close(f"{where}: the input's gradient", report["x_grad"], x.grad)
+            else:
+                cols = slice(r * spec["d_in"] // p, (r + 1) * spec["d_in"] // p)
+                _close(f"{where}: the output", report["out"], out.detach())
+                _close(f"{where}: the weight's gradient", report["weight_grad"], weight.grad[:, cols])
+                if bias is not None:
+                    _close(f"{where}: the bias's gradient", report["bias_grad"], bias.grad)
+                x_grad = x.grad if not spec["input_is_parallel"] else x.grad[..., cols]
+                _close(f"{where}: the input's gradient", report["x_grad"], x_grad)
+
+    return check
+
+
+def dense_mlp_run(spec: dict):
+    mlp = workers.dense_mlp(spec)
+    x = workers.mlp_input(spec).requires_grad_()
+    out = mlp(x)
+    (out * workers.mlp_upstream(spec)).sum().backward()
+    return mlp, x, out.detach()
+
+
+def mlp_check(what: str, spec: dict):
+    def check(reports: list[dict]) -> None:
+        p, ffn = spec["world_size"], spec["ffn"]
+        mlp, x, out = dense_mlp_run(spec)
+        for r, report in enumerate(reports):
+            where = f"{what}, rank {r}"
+            rows = slice(r * ffn // p, (r + 1) * ffn // p)
+            _close(f"{where}: the output", report["out"], out)
+            _close(f"{where}: the input's gradient", report["x_grad"], x.grad)
+            grads = report["grads"]
+            expected = {
+                "up.weight": mlp.up.weight.grad[rows],
+                "up.bias": mlp.up.bias.grad[rows],
+                "down.weight": mlp.down.weight.grad[:, rows],
+                "down.bias": mlp.down.bias.grad,
+            }
+            if sorted(grads) != sorted(expected):
+                raise AssertionError(
+                    f"{where}: parameters {sorted(grads)}; want up.weight/bias, down.weight/bias"
+                )
+            for name, want in expected.items():
+                _close(f"{where}: the gradient of {name}", grads[name], want)
+
+    return check
+
+
+def mlp_count_check(what: str, spec: dict):
+    """One allreduce forward and one backward per call, of one activation each; nothing else."""
+
+    def check(reports: list[dict]) -> None:
+        numel = spec["batch"] * spec["seq"] * spec["d"]
+        for r, report in enumerate(reports):
+            calls = report["calls"]
+            for step in range(spec["calls"]):
+                mine = [c for c in calls if c["step"] == step]
+                _counts(
+                    f"{what}, rank {r}, call {step + 1}",
+                    mine,
+                    {("forward", "allreduce"): 1, ("backward", "allreduce"): 1},
+                )
+                for c in mine:
+                    if c["numel"] != numel:
+                        raise AssertionError(
+                            f"{what}, rank {r}: an allreduce of {c['numel']} elements; one activation "
+                            f"(batch x seq x d) is the only thing to reduce"
+                        )
+            if any(c["step"] is None for c in calls):
+                raise AssertionError(
+                    f"{what}, rank {r}: a collective outside the forward and backward (construction?)"
+                )
+
+    return check
+
+
+# --- schedules ------------------------------------------------------------------------------------
+def schedule_exact_check(what: str, cases: list[list[int]]):
+    def check(reports: list[list]) -> None:
+        for (p, m), got in zip(cases, reports[0], strict=True):
+            if as_actions(got) != one_f_one_b(p, m):
+                raise AssertionError(
+                    f"{what}: one_f_one_b({p}, {m}) is not the 1F1B schedule of the docstring"
+                )
+
+    return check
+
+
+def schedule_valid_check(what: str, cases: list[list[int]]):
+    def check(reports: list[list]) -> None:
+        for (p, m), got in zip(cases, reports[0], strict=True):
+            try:
+                check_schedule(as_actions(got), p, m)
+            except AssertionError as error:
+                raise AssertionError(f"{what}: one_f_one_b({p}, {m}): {error}") from None
+
+    return check
+
+
+def bubble_check(what: str, cases: list[list[int]]):
+    def check(reports: list[list]) -> None:
+        for (p, m), got in zip(cases, reports[0], strict=True):
+            schedule = as_actions(got)
+            check_schedule(schedule, p, m)
+            bubble = simulate(schedule)
+            if abs(bubble - bubble_formula(p, m)) > 1e-9:
+                raise AssertionError(
+                    f"{what}: one_f_one_b({p}, {m}) idles {bubble:.4f} of the time "
+                    "(F = 1, B = 2), not (p-1)/(m+p-1)"
+                )
+
+    return check
+
+
+def peak_check(what: str, cases: list[list[int]]):
+    def check(reports: list[list]) -> None:
+        for (p, m), got in zip(cases, reports[0], strict=True):
+            schedule = as_actions(got)
+            check_schedule(schedule, p, m)
+            held = peaks(schedule)
+            for r, peak in enumerate(held):
+                if peak > min(p - r, m):
+                    raise AssertionError(
+                        f"{what}: one_f_one_b({p}, {m}) holds {peak} microbatches on stage {r}; "
+                        f"1F1B holds at most p - r (GPipe holds all m)"
+                    )
+
+    return check
+
+
+# --- the executor -------------------------------------------------------------------------------
+def one_process(spec: dict):
+    """The mean loss over the microbatches and every stage's gradients, the model in one piece."""
+    stages = workers.make_stages(spec)
+    xs, ys = workers.microbatches(spec)
+    loss = sum(F.cross_entropy(workers.whole(stages, x), y) for x, y in zip(xs, ys)) / len(xs)
+    loss.backward()
+    return float(loss.detach()), [[p.grad for p in stage.parameters()] for stage in stages]
+
+
+def executor_check(what: str, spec: dict, check_messages: bool = True):
+    def check(reports: list[dict]) -> None:
+        p, m = spec["world_size"], spec["m"]
+        loss, grads = one_process(spec)
+        want_peaks = peaks(spec["schedule"])
+        for r, report in enumerate(reports):
+            where = f"{what}, stage {r}"
+            if r == p - 1:
+                got = report["loss"]
+                if not isinstance(got, (int, float)) or abs(got - loss) > 1e-6 * max(1.0, abs(loss)):
+                    raise AssertionError(f"{where}: the loss {got} is not the mean over the microbatches")
+            elif report["loss"] is not None:
+                raise AssertionError(
+                    f"{where}: loss {report['loss']}; only the last stage has a loss (None elsewhere)"
+                )
+            if len(report["grads"]) != len(grads[r]):
+                raise AssertionError(
+                    f"{where}: {len(report['grads'])} gradients for {len(grads[r])} parameters"
+                )
+            for i, (got, want) in enumerate(zip(report["grads"], grads[r])):
+                if got is None:
+                    raise AssertionError(f"{where}: parameter {i} has no gradient (was its backward run?)")
+                _close(f"{where}: the gradient of parameter {i}", got, want, atol=1e-6, rtol=1e-5)
+            if report["order"] != [kind for kind, _ in spec["schedule"][r]]:
+                raise AssertionError(
+                    f"{where}: the forwards and backwards did not run in the order of the schedule"
+                )
+            if report["measured_peak"] != want_peaks[r]:
+                raise AssertionError(
+                    f"{where}: {report['measured_peak']} microbatches were held at once, "
+                    "which is wrong for this schedule"
+                )
+            if report["peak"] != report["measured_peak"]:
+                raise AssertionError(
+                    f"{where}: peak_in_flight is {report['peak']}, "
+                    f"but the grader counted {report['measured_peak']}"
+                )
+            if check_messages:
+                sends = m * ((r < p - 1) + (r > 0))
+                if report["messages"] != sends or report["bytes"] != sends * spec["activation_bytes"]:
+                    raise AssertionError(
+                        f"{where}: {report['messages']} messages ({report['bytes']} bytes) sent for "
+                        f"{m} microbatches; "
+                        f"one activation forward and one gradient backward per microbatch and stage boundary"
+                    )
+
+    return check

@@ -1,0 +1,321 @@
+"""What the hidden tests of assignment 5 run inside the worker processes, and their inputs.
+
+The student's ``tp_layers`` and ``schedule`` are imported only here, inside the processes
+``md.launch`` starts, never in the pytest or grader process. Every job takes JSON arguments only
+and builds its data from them; the trusted side (``reference.py``) builds the same data from the
+same arguments. This module does not import pytest.
+
+What a rank reports besides the values, measured by the grader's code:
+
+* every call of the library's collectives (``CollectiveLog``: ``md.allreduce``,
+  ``md.allgather``, ... are wrapped before the student's modules are imported), with the phase
+  it came in (forward or backward) and its number of elements;
+* in the pipeline, the stage modules are the grader's (``Tracked``): they count the microbatches
+  whose forward ran and whose backward did not (the activations held), and log the order of the
+  forwards and backwards; the messages and bytes sent come from the transport (``comm.stats``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import minidist as md
+
+if __package__:  # under pytest: grader.a5_model_parallel.workers
+    from .. import guard
+    from . import rules
+else:  # in the grading sandbox, where these files are copied side by side
+    import guard
+    import rules
+
+COLLECTIVES = ("allgather", "allreduce", "broadcast", "reduce", "reduce_scatter")
+
+# What the instruments rely on, bound now: this module is imported before the student's.
+_CROSS_ENTROPY = F.cross_entropy
+_NUMEL = torch.Tensor.numel
+_CLONE = torch.Tensor.clone
+_DETACH = torch.Tensor.detach
+_IS_TENSOR = torch.is_tensor
+_GELU = F.gelu
+
+
+# --- the grader's instruments ------------------------------------------------------------------
+class CollectiveLog:
+    """Wraps the library's collectives (under every public name) to log each call; ``phase`` tags them."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+        self.phase: str | None = None
+        self.step: int | None = None
+        self.installed = False
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        self.installed = True
+        import minidist.collectives as collectives
+        import minidist.collectives.api as api
+
+        for name in COLLECTIVES:
+            wrapped = self._wrap(name, getattr(api, name))
+            for owner in (md, collectives, api):
+                if hasattr(owner, name):
+                    setattr(owner, name, wrapped)
+
+    def _wrap(self, name: str, original):
+        @functools.wraps(original)
+        def collective(comm, tensor, *args, **kwargs):
+            numel = int(_NUMEL(tensor)) if _IS_TENSOR(tensor) else -1
+            self.calls.append({"phase": self.phase, "step": self.step, "function": name, "numel": numel})
+            return original(comm, tensor, *args, **kwargs)
+
+        return collective
+
+
+_LOG = CollectiveLog()
+
+
+def student(name: str):
+    """One of the student's modules, imported after the guard refuses the library's versions."""
+    guard.install_rules(rules)
+    _LOG.install()
+    return importlib.import_module(name)
+
+
+# --- data (float64 for the tensor-parallel layers) --------------------------------------------
+def tensor(spec: dict, what: str, rank: int = 0, shape=None) -> torch.Tensor:
+    """A float64 normal tensor, the same for the same (seed, what, rank)."""
+    salt = sum(ord(c) * 31**i for i, c in enumerate(what)) % 100_003
+    g = torch.Generator().manual_seed(spec["seed"] * 1_000_003 + salt * 101 + rank)
+    return torch.randn(*(shape or spec["shape"]), generator=g, dtype=torch.float64)
+
+
+def dense_linear(spec: dict):
+    """The dense (d_out, d_in) weight, bias (or None), input (..., d_in) and upstream gradient."""
+    lead = [spec["batch"], spec["seq"]]
+    weight = tensor(spec, "weight", shape=[spec["d_out"], spec["d_in"]])
+    bias = tensor(spec, "bias", shape=[spec["d_out"]]) if spec["bias"] else None
+    x = tensor(spec, "input", shape=[*lead, spec["d_in"]])
+    return weight, bias, x, tensor(spec, "upstream", shape=[*lead, spec["d_out"]])
+
+
+class DenseMLP(nn.Module):
+    """``minidist.models.transformer.MLP``'s layout (``up``, exact GELU, ``down``), float64."""
+
+    def __init__(self, d: int, ffn: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d, ffn, dtype=torch.float64)
+        self.down = nn.Linear(ffn, d, dtype=torch.float64)
+
+    def forward(self, x):
+        return self.down(_GELU(self.up(x)))
+
+
+def dense_mlp(spec: dict) -> DenseMLP:
+    torch.manual_seed(spec["seed"])
+    return DenseMLP(spec["d"], spec["ffn"])
+
+
+def mlp_input(spec: dict) -> torch.Tensor:
+    return tensor(spec, "mlp input", shape=[spec["batch"], spec["seq"], spec["d"]])
+
+
+def mlp_upstream(spec: dict) -> torch.Tensor:
+    return tensor(spec, "mlp upstream", shape=[spec["batch"], spec["seq"], spec["d"]])
+
+
+def _grad(t):
+    return None if t is None or t.grad is None else _CLONE(t.grad)
+
+
+# --- jobs: tensor parallel ------------------------------------------------------------------
+def operators(comm, spec: dict) -> dict:
+    """f and g on a rank-dependent x with a rank-dependent upstream gradient."""
+    torch.set_default_dtype(torch.float64)
+    tp = student("tp_layers")
+    x = tensor(spec, "x", comm.rank).requires_grad_()
+    up = tensor(spec, "up", comm.rank)
+    _LOG.calls.clear()
+    out = {}
+    for name, op in (("f", tp.copy_to_tensor_parallel), ("g", tp.reduce_from_tensor_parallel)):
+        x.grad = None
+        _LOG.phase = f"{name} forward"
+        y = op(x, comm)
+        out[f"{name}_out"] = _CLONE(_DETACH(y))
+        _LOG.phase = f"{name} backward"
+        (y * up).sum().backward()
+        _LOG.phase = None
+        out[f"{name}_grad"] = _grad(x)
+    out["x_after"] = _CLONE(_DETACH(x))
+    out["calls"] = list(_LOG.calls)
+    return out
+
+
+def linear(comm, spec: dict) -> dict:
+    """A column- or row-parallel layer loaded from the dense one; output and gradients."""
+    torch.set_default_dtype(torch.float64)
+    tp = student("tp_layers")
+    weight, bias, x, upstream = dense_linear(spec)
+    p, r = comm.world_size, comm.rank
+    if spec["kind"] == "column":
+        layer = tp.ColumnParallelLinear(
+            spec["d_in"], spec["d_out"], comm, bias=spec["bias"], gather_output=spec["gather_output"]
+        )
+        if not spec["gather_output"]:
+            upstream = upstream[..., r * spec["d_out"] // p : (r + 1) * spec["d_out"] // p]
+    else:
+        layer = tp.RowParallelLinear(
+            spec["d_in"], spec["d_out"], comm, bias=spec["bias"], input_is_parallel=spec["input_is_parallel"]
+        )
+        if spec["input_is_parallel"]:
+            x = _CLONE(x[..., r * spec["d_in"] // p : (r + 1) * spec["d_in"] // p])
+    layer.load_dense(weight, bias)
+    x.requires_grad_()
+    out = layer(x)
+    (out * upstream).sum().backward()
+    return {
+        "out": _CLONE(_DETACH(out)),
+        "x_grad": _grad(x),
+        "weight_grad": _grad(layer.weight),
+        "bias_grad": _grad(layer.bias) if spec["bias"] else None,
+    }
+
+
+def mlp(comm, spec: dict) -> dict:
+    """The student's ParallelMLP loaded from the dense one, called ``calls`` times; output,
+    gradients (of the first call) and every collective, tagged with the call and the phase."""
+    torch.set_default_dtype(torch.float64)
+    tp = student("tp_layers")
+    layer = tp.ParallelMLP(spec["d"], spec["ffn"], comm)
+    layer.load_dense(dense_mlp(spec))
+    _LOG.calls.clear()
+    report = {}
+    for step in range(spec.get("calls", 1)):
+        x = mlp_input(spec).requires_grad_()
+        _LOG.step, _LOG.phase = step, "forward"
+        out = layer(x)
+        _LOG.phase = "backward"
+        (out * mlp_upstream(spec)).sum().backward()
+        _LOG.step = _LOG.phase = None
+        if step == 0:
+            report = {
+                "out": _CLONE(_DETACH(out)),
+                "x_grad": _grad(x),
+                "grads": {name: _grad(p) for name, p in layer.named_parameters()},
+            }
+    report["calls"] = list(_LOG.calls)
+    return report
+
+
+# --- jobs: the schedule -----------------------------------------------------------------------
+def schedules(comm, cases: list[list[int]]) -> list:
+    """The student's ``one_f_one_b(p, m)`` of each case, as plain lists."""
+    schedule = student("schedule")
+    return [[[list(a) for a in actions] for actions in schedule.one_f_one_b(p, m)] for p, m in cases]
+
+
+# --- jobs: the executor -------------------------------------------------------------------------
+class _Held(torch.autograd.Function):
+    """Identity; its backward tells the tracker that a microbatch's activations were let go."""
+
+    @staticmethod
+    def forward(ctx, x, tracker):
+        ctx.tracker = tracker
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.tracker.release()
+        return grad, None
+
+
+class Tracked(nn.Module):
+    """The grader's stage module: counts the microbatches held (forward run, backward not yet)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.live = self.peak = 0
+        self.order: list[str] = []
+
+    def release(self) -> None:
+        self.live -= 1
+        self.order.append("B")
+
+    def forward(self, x):
+        self.live += 1
+        self.peak = max(self.peak, self.live)
+        self.order.append("F")
+        return _Held.apply(self.inner(x), self)
+
+
+def make_stages(spec: dict) -> list[nn.Module]:
+    """p stages of different kinds (float32); the last ends in a Linear to ``classes``."""
+    torch.manual_seed(spec["seed"])
+    w, p = spec["width"], spec["world_size"]
+    stages = []
+    for r in range(p):
+        if r == 0:
+            stages.append(nn.Sequential(nn.Linear(w, w), nn.GELU()))
+        elif r < p - 1:
+            stages.append(nn.Sequential(nn.LayerNorm(w), nn.Linear(w, w), nn.Tanh()))
+        else:
+            stages.append(nn.Sequential(nn.Linear(w, w), nn.Tanh(), nn.Linear(w, spec["classes"])))
+    return stages
+
+
+def whole(stages: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    for stage in stages:
+        x = stage(x)
+    return x
+
+
+def microbatches(spec: dict):
+    g = torch.Generator().manual_seed(spec["seed"] + 17)
+    rows, w = spec["rows"], spec["width"]
+    xs = [torch.randn(rows, w, generator=g) for _ in range(spec["m"])]
+    return xs, [torch.randint(0, spec["classes"], (rows,), generator=g) for _ in range(spec["m"])]
+
+
+def pipeline(comm, spec: dict) -> dict:
+    """Rank r runs stage r of ``make_stages`` with the student's ``run_stage`` and the given
+    schedule (``spec["schedule"]``); its gradients, loss, peaks, order and traffic."""
+    schedule = student("schedule")
+    stage = Tracked(make_stages(spec)[comm.rank])
+    xs, ys = microbatches(spec)
+    first, last = comm.rank == 0, comm.rank == comm.world_size - 1
+    actions = [(str(kind), int(j)) for kind, j in spec["schedule"][comm.rank]]
+
+    def loss_fn(out, target):
+        return _CROSS_ENTROPY(out, target)
+
+    before = comm.stats.copy()
+    result = schedule.run_stage(
+        stage,
+        comm,
+        actions,
+        xs if first else None,
+        ys if last else None,
+        loss_fn,
+        (spec["rows"], spec["width"]),
+    )
+    sent = comm.stats - before
+    loss = getattr(result, "loss", "missing")
+    return {
+        "loss": float(loss)
+        if isinstance(loss, (int, float, torch.Tensor))
+        else None
+        if loss is None
+        else str(loss),
+        "peak": int(getattr(result, "peak_in_flight", -1)),
+        "measured_peak": stage.peak,
+        "order": list(stage.order),
+        "messages": int(sent.messages_sent),
+        "bytes": int(sent.bytes_sent),
+        "grads": [_grad(p) for p in stage.inner.parameters()],
+    }
