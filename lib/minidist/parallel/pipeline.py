@@ -192,6 +192,8 @@ def _run_order(schedule, t_forward: float, t_backward: float, check: bool, micro
     next action waits on something that never happens is a deadlock, reported by name.
     """
     p, v, sched = _normalise(schedule)
+    if not p:
+        raise ScheduleError("the schedule has no stages: pass one list of actions per stage")
     if check:
         m = microbatches
         for r, actions in enumerate(sched):
@@ -233,7 +235,7 @@ def _run_order(schedule, t_forward: float, t_backward: float, check: bool, micro
                 finish = start + durations[a[0]]
                 end[(r, a)] = finish
                 free[r] = finish
-                starts[r].append((a, start, finish))
+                starts[r].append((schedule[r][position[r]], start, finish))  # the caller's action
                 position[r] += 1
                 remaining -= 1
                 progressed = True
