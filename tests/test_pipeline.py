@@ -215,3 +215,18 @@ def test_measure_bubble_runs_the_schedule_it_was_given():
     assert [o.peak_in_flight for o in r["results"]] == pp.peak_in_flight(schedule)
     assert r["formula"] == pp.bubble_formula(p, m) == pytest.approx(r["simulated"])
     assert r["measured"] == pytest.approx(r["timeline"].bubble_fraction)
+
+
+def test_tied_gradients_summed_when_one_rank_holds_both_copies():
+    class OneRank:
+        rank, world_size = 0, 1
+
+    model = w.tiny_model()
+    ids = w.batch(4)
+    model(ids, labels=ids).loss.backward()
+    chunks = stages.split_decoder(w.tiny_model(), 1, 2)[0]  # embeddings in chunk 0, a copy of E in chunk 1
+    stages.next_token_loss(chunks[1](chunks[0](ids)), ids).backward()
+    stages.sync_tied_gradients(chunks, OneRank())
+    want = model.word_embeddings.grad
+    torch.testing.assert_close(chunks[0].embeddings.word.weight.grad, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(chunks[1].head.grad, want, rtol=1e-10, atol=1e-12)
