@@ -25,6 +25,9 @@ Stages 1 and 2, ``ZeroOptimizer(params, comm, stage, optimizer=torch.optim.AdamW
     opt.zero_grad()
 
 The model's parameters become views into one flat buffer, so step 3 writes them in place.
+Stage 1 could allreduce the whole gradient instead (every rank then has all of it), but only
+shard r is used on rank r: a reduce-scatter gives it for half the traffic of an allreduce, so
+the step costs what plain DDP's allreduce costs, 2 psi (N-1)/N -- the paper's point.
 Stage 1 keeps the full gradient buffer (``p.grad`` are views of it; after the step only the
 rank's own slice holds the average). Stage 2 frees the full gradients after the reduce-scatter
 and keeps only the averaged shard. (Here the reduce-scatter runs after backward, so the full
@@ -231,7 +234,13 @@ class ZeroOptimizer:
 
     @property
     def state(self):
+        """The inner optimizer's state: for this rank's shard only."""
         return self.inner.state
+
+    @property
+    def param_groups(self):
+        """The inner optimizer's groups (set ``lr`` here, or hand ``opt`` to an LR scheduler's logic)."""
+        return self.inner.param_groups
 
     def held_tensors(self) -> dict:
         """What this rank holds, by kind (for ``minidist.memory.tensor_bytes``)."""
