@@ -38,14 +38,16 @@ def train(model, opt, steps: int, seed: int = 1) -> None:
         opt.step()
 
 
-@pytest.mark.parametrize("budget_pages", [1, 1000])  # 13 chunks (pieces cross them), one
-def test_equals_torch_adamw(tmp_path, budget_pages):
+@pytest.mark.parametrize(
+    ("budget_pages", "sync"), [(1, True), (1000, True), (1, False)], ids=["13-chunks", "1-chunk", "no-msync"]
+)
+def test_equals_torch_adamw(tmp_path, budget_pages, sync):
     reference = tiny_model()
     model = copy.deepcopy(reference)
     hyper = dict(lr=3e-2, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
     budget = budget_pages * PAGE * 16  # 16 bytes per element: m, v and two temporaries
     torch_opt = torch.optim.AdamW(reference.parameters(), **hyper)
-    with OffloadedAdamW(model.parameters(), tmp_path, budget, **hyper) as opt:
+    with OffloadedAdamW(model.parameters(), tmp_path, budget, sync_to_disk=sync, **hyper) as opt:
         assert opt.chunk == min(budget_pages, 1000) * PAGE
         train(reference, torch_opt, 10)
         train(model, opt, 10)
