@@ -1,0 +1,340 @@
+"""``python -m grader grade a5_model_parallel``: assignment 5 goes through the same pipeline as a1-a4.
+
+The graded tests are the hidden tests with their points; the grader's 1F1B, checker and
+simulator (``grader/a5_model_parallel/reference.py``) agree with the solution and with the
+formulas and refuse broken schedules; the checks refuse reports that cheat; the intake check and
+the run time guard refuse the library's tensor and pipeline parallelism; and the example students
+of ``grader/examples/a5_model_parallel/make.py`` (correct, GPipe for 1F1B, an extra allreduce, the
+bias added p times, a crash, the library's layers, a deadlock, no f) and the released stub get
+exactly their expected scores on a subset of the hidden tests that tells them apart (one batch,
+``--jobs 2``, a fixed seed key).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from grader import forbidden, similarity
+from grader.examples.a5_model_parallel import make
+
+with warnings.catch_warnings():  # `points` is registered by grader/a5_model_parallel/conftest.py only
+    warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
+    from grader.a5_model_parallel import grading, reference, workers
+    from grader.a5_model_parallel import test_hidden as hidden
+
+ROOT = Path(__file__).resolve().parent.parent
+#: the tests that tell the examples apart (glob patterns: "[[]" is a literal "["): f and g
+#: (carol), column (hank), row (dave), the MLP's allreduce count (carol, hank), the exact 1F1B and
+#: the peak (bob), the stage step (erin, gina)
+SUBSET = (
+    "test_conjugate_operators[[]2]",
+    "test_column_parallel[[]column-2]",
+    "test_row_parallel[[]row-2]",
+    "test_mlp_allreduce_count[[]2]",
+    "test_one_f_one_b_exact",
+    "test_schedule_peak_in_flight",
+    "test_run_stage[[]2-1f1b]",
+)
+SUBSET_NAMES = [pattern.replace("[[]", "[") for pattern in SUBSET]
+
+
+def solution_schedule():
+    spec = importlib.util.spec_from_file_location(
+        "a5_solution_schedule", ROOT / "solutions" / "a5_model_parallel" / "schedule.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks itself up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def grade(submissions: Path, out: Path, *extra: str) -> str:
+    command = [
+        sys.executable,
+        "-m",
+        "grader",
+        "grade",
+        "a5_model_parallel",
+        str(submissions),
+        "--out",
+        str(out),
+    ]
+    result = subprocess.run(
+        [*command, *extra], cwd=ROOT, capture_output=True, text=True, timeout=500, start_new_session=True
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+def gradebook(out: Path) -> dict[str, dict]:
+    with open(out / "gradebook.csv", newline="") as file:
+        return {row["id"]: row for row in csv.DictReader(file)}
+
+
+def test_graded_tests_are_the_hidden_tests_with_their_points():
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "grader/a5_model_parallel",
+        "--collect-only",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+    ]
+    collected = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
+    names = [line.split("::", 1)[1] for line in collected.splitlines() if "::" in line]
+    graded = grading.graded_tests(seed=12345)
+    assert [t.name for t in graded] == names and len(names) >= 15
+    for test in graded:
+        function = getattr(hidden, test.name.split("[")[0])
+        marker = next(m for m in function.pytestmark if m.name == "points")
+        assert test.points == marker.args[0], test.name
+        assert test.function in grading.HINTS and test.function in hidden.TASKS
+    assert set(SUBSET_NAMES) <= set(names)
+
+
+def test_seeds_change_the_data_not_the_tests():
+    one, two = grading.graded_tests(1), grading.graded_tests(2)
+    assert [t.name for t in one] == [t.name for t in two]
+    changed = [a.job.args != b.job.args for a, b in zip(one, two)]
+    assert sum(changed) >= len(one) - 4  # the schedule cases share all but one (p, m)
+    json.dumps([t.job.as_json("t", 1.0) for t in one])  # jobs travel as JSON
+
+
+def test_hidden_sizes_are_not_the_public_ones():
+    for test in grading.graded_tests(0):
+        spec = test.job.args[0]
+        if isinstance(spec, dict) and "ffn" in spec:
+            assert (spec["d"], spec["ffn"]) != (8, 16), test.name
+
+
+# --- the grader's schedules, checker and simulator --------------------------------------------
+def test_reference_one_f_one_b_equals_the_solution_and_holds_p_minus_r():
+    solution = solution_schedule()
+    for p in range(1, 8):
+        for m in range(1, 12):
+            ours = reference.one_f_one_b(p, m)
+            assert [list(a) for a in solution.one_f_one_b(p, m)] == ours, (p, m)
+            reference.check_schedule(ours, p, m)
+            assert reference.peaks(ours) == [min(p - r, m) for r in range(p)]
+            assert reference.peaks(reference.gpipe(p, m)) == [m] * p
+
+
+def test_simulated_bubble_equals_the_formula_for_gpipe_and_1f1b():
+    for p, m in [(2, 1), (2, 5), (4, 6), (4, 16), (7, 3)]:
+        for schedule in (reference.gpipe(p, m), reference.one_f_one_b(p, m)):
+            assert reference.simulate(schedule) == pytest.approx(reference.bubble_formula(p, m), abs=1e-12)
+            assert reference.simulate(schedule, 1.0, 1.0) == pytest.approx(
+                reference.bubble_formula(p, m), abs=1e-12
+            )
+
+
+def test_the_checker_refuses_broken_schedules():
+    p, m = 3, 4
+    good = reference.one_f_one_b(p, m)
+    missing = [actions[:-1] for actions in good]
+    with pytest.raises(AssertionError, match="exactly once"):
+        reference.check_schedule(missing, p, m)
+    early = [list(actions) for actions in good]
+    early[2] = [("B", 0), ("F", 0)] + early[2][2:]  # a backward before its forward
+    with pytest.raises(AssertionError, match="deadlock"):
+        reference.check_schedule(early, p, m)
+    crossed = [list(actions) for actions in good]
+    crossed[0] = [("F", 0), ("B", 0)] + [a for a in crossed[0] if a not in (("F", 0), ("B", 0))]
+    crossed[1] = [("F", 1)] + [a for a in crossed[1] if a != ("F", 1)]  # waits for F 1, which waits for B 0
+    with pytest.raises(AssertionError, match="deadlock"):
+        reference.check_schedule(crossed, p, m)
+    with pytest.raises(AssertionError, match="stage lists"):
+        reference.check_schedule(good[:2], p, m)
+
+
+def test_the_schedule_checks_tell_gpipe_from_1f1b():
+    cases = hidden.schedule_cases(0)
+    gpipe = [[[list(a) for a in actions] for actions in reference.gpipe(p, m)] for p, m in cases]
+    reference.schedule_valid_check("s", cases)([gpipe])
+    reference.bubble_check("s", cases)([gpipe])
+    with pytest.raises(AssertionError, match="not the 1F1B"):
+        reference.schedule_exact_check("s", cases)([gpipe])
+    with pytest.raises(AssertionError, match="at most p - r"):
+        reference.peak_check("s", cases)([gpipe])
+
+
+# --- the checks that cheats met -------------------------------------------------------------------
+def _executor_spec() -> dict:
+    return next(t for t in grading.graded_tests(0) if t.name == "test_run_stage[2-1f1b]").job.args[0]
+
+
+def _honest_reports(spec: dict) -> list[dict]:
+    loss, grads = reference.one_process(spec)
+    p, m = spec["world_size"], spec["m"]
+    peaks = reference.peaks(spec["schedule"])
+    return [
+        {
+            "loss": loss if r == p - 1 else None,
+            "peak": peaks[r],
+            "measured_peak": peaks[r],
+            "order": [kind for kind, _ in spec["schedule"][r]],
+            "messages": m * ((r < p - 1) + (r > 0)),
+            "bytes": m * ((r < p - 1) + (r > 0)) * spec["activation_bytes"],
+            "grads": grads[r],
+        }
+        for r in range(p)
+    ]
+
+
+def test_the_executor_check_trusts_its_own_counts_not_the_reported_peak():
+    spec = _executor_spec()
+    check = reference.executor_check("e", spec)
+    check(_honest_reports(spec))
+    claimed = _honest_reports(spec)
+    claimed[0]["measured_peak"] = spec["m"]  # held everything (GPipe-like) but reports 1F1B's peak
+    with pytest.raises(AssertionError, match="held at once"):
+        check(claimed)
+    chatty = _honest_reports(spec)
+    chatty[0]["messages"] += 1
+    with pytest.raises(AssertionError, match="messages"):
+        check(chatty)
+    wrong = _honest_reports(spec)
+    wrong[1]["grads"] = [g * 2 for g in wrong[1]["grads"]]
+    with pytest.raises(AssertionError, match="gradient of parameter"):
+        check(wrong)
+
+
+def test_the_count_check_refuses_a_second_allreduce_and_a_wrong_size():
+    spec = next(t for t in grading.graded_tests(0) if t.name == "test_mlp_allreduce_count[2]").job.args[0]
+    numel = spec["batch"] * spec["seq"] * spec["d"]
+    one = [
+        {"phase": phase, "step": step, "function": "allreduce", "numel": numel}
+        for step in range(spec["calls"])
+        for phase in ("forward", "backward")
+    ]
+    check = reference.mlp_count_check("c", spec)
+    check([{"calls": one}] * 2)
+    with pytest.raises(AssertionError, match="2 call"):
+        check([{"calls": one + [dict(one[0])]}] * 2)
+    with pytest.raises(AssertionError, match="elements"):
+        check([{"calls": [{**c, "numel": numel * 4} for c in one]}] * 2)
+    with pytest.raises(AssertionError, match="outside"):
+        check([{"calls": one + [{"phase": None, "step": None, "function": "allgather", "numel": 1}]}] * 2)
+
+
+def test_feedback_names_what_differs_not_the_expected_value():
+    spec = next(t for t in grading.graded_tests(0) if t.name == "test_row_parallel[row-2]").job.args[0]
+    weight, bias, x, upstream = workers.dense_linear(spec)
+    out = torch.nn.functional.linear(x, weight, bias)
+    report = {"out": out + 1.0, "x_grad": None, "weight_grad": None, "bias_grad": None}
+    with pytest.raises(AssertionError) as caught:
+        reference.linear_check("row", spec)([report, report])
+    message = grading.redact(str(caught.value))
+    assert "differs from the dense model by up to 1" in message
+    assert f"{float(out.flatten()[0]):.4f}" not in message
+
+
+def test_the_collective_log_counts_calls_by_phase():
+    log = workers.CollectiveLog()
+    wrapped = log._wrap("allreduce", lambda comm, tensor, *a, **k: tensor)
+    log.phase, log.step = "forward", 0
+    wrapped(None, torch.zeros(3, 4))
+    log.phase = "backward"
+    wrapped(None, torch.zeros(5))
+    assert [(c["phase"], c["numel"]) for c in log.calls] == [("forward", 12), ("backward", 5)]
+
+
+# --- intake and run time ---------------------------------------------------------------------------
+def test_the_intake_check_accepts_the_solution_and_refuses_the_library():
+    rules = grading.FORBIDDEN
+    for name in grading.STUDENT_FILES:
+        assert forbidden.check((ROOT / "solutions/a5_model_parallel" / name).read_text(), rules) is None, name
+    for code in (
+        "from minidist.parallel.tensor import ColumnParallelLinear",
+        "from minidist.parallel import tensor",
+        "import minidist.parallel.pipeline as pp",
+        "from minidist.parallel.pipeline import one_f_one_b",
+        "from minidist.models.tp_decoder import TensorParallelDecoderLM",
+        "from minidist.models import stages",
+        "import torch.distributed as dist",
+        "from torch.distributed.pipelining import pipeline",
+        "from torch.distributed.tensor.parallel import ColwiseParallel",
+    ):
+        assert forbidden.check(code, rules) is not None, code
+
+
+GUARD_PROBE = """
+import importlib
+
+import torch
+
+import minidist as md
+from grader import guard
+from grader.a5_model_parallel import rules
+
+guard.install_rules(rules)
+refused = []
+for name, attribute, args in (
+    ("minidist.parallel.tensor", "copy_to_tensor_parallel", (torch.zeros(2), None)),
+    ("minidist.parallel.pipeline", "one_f_one_b", (2, 2)),
+):
+    try:
+        getattr(importlib.import_module(name), attribute)(*args)
+    except (PermissionError, ImportError) as error:
+        refused.append(guard.MARKER in str(error))
+    else:
+        refused.append(False)
+assert refused == [True, True], refused
+assert md.allreduce.__code__.co_name == "allreduce"  # the collectives stay allowed
+print("ok")
+"""
+
+
+def test_the_run_time_guard_refuses_the_library_and_leaves_the_collectives_alone(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(GUARD_PROBE)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, str(probe)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_the_examples_and_the_stub_get_their_scores(tmp_path):
+    submissions = tmp_path / "subs"
+    make.write(submissions, make.build_dict())
+    (submissions / "stub").mkdir()
+    for name in make.FILES:
+        (submissions / "stub" / name).write_bytes((make.STUB_FOLDER / name).read_bytes())
+    out = tmp_path / "out"
+    selection = [arg for pattern in SUBSET for arg in ("--tests", pattern)]
+    grade(submissions, out, "--jobs", "2", "--test-timeout", "30", "--seed-key", "k", *selection)
+    book = gradebook(out)
+    assert (
+        book["alice"]["score"]
+        == book["alice"]["max_score"]
+        == f"{make.expected_score('alice', SUBSET_NAMES):g}"
+    )
+    for student, (status, _) in make.LOST.items():
+        score = make.expected_score(student, SUBSET_NAMES)
+        assert (book[student]["status"], float(book[student]["score"])) == (status, score), book[student]
+    assert book["stub"]["score"] == "0" and book["stub"]["status"] == "ok"
+    stub = json.loads((out / "stub" / "results.json").read_text())
+    assert all("NotImplementedError" in t["output"] and "TODO(task" in t["output"] for t in stub["tests"])
+    assert "not the 1F1B schedule" in (out / "bob" / "feedback.md").read_text()
+    assert "call(s) of md.allreduce" in (out / "carol" / "feedback.md").read_text()
+    assert "differs from the dense model" in (out / "dave" / "feedback.md").read_text()
+    assert "KeyError" in (out / "erin" / "feedback.md").read_text()
+    assert "did not finish" in (out / "gina" / "feedback.md").read_text()
+    assert "the input's gradient" in (out / "hank" / "feedback.md").read_text()
+    assert "minidist.parallel.tensor" in book["frank"]["reason"]
+    assert float(book["alice"]["similarity"]) < similarity.FLAG_AT
