@@ -441,3 +441,140 @@ def test_a4_stub_imports_and_each_part_raises_not_implemented_with_its_task(tmp_
         [sys.executable, str(probe)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+# --- assignment 5: tensor-parallel MLP, the 1F1B schedule and its stage step ------------------
+A5 = "a5_model_parallel"
+A5_SOLUTION, A5_STUB, A5_HIDDEN = ROOT / "solutions" / A5, ROOT / "assignments" / A5, ROOT / "grader" / A5
+A5_PUBLIC = "test_a5_model_parallel.py"
+A5_FILES = ("tp_layers.py", "schedule.py")
+#: (task, what the stub's NotImplementedError names)
+A5_TASKS = [
+    (1, "CopyToTensorParallel.forward"),
+    (1, "CopyToTensorParallel.backward"),
+    (2, "ReduceFromTensorParallel.forward"),
+    (2, "ReduceFromTensorParallel.backward"),
+    (3, "ColumnParallelLinear.__init__"),
+    (3, "ColumnParallelLinear.load_dense"),
+    (3, "ColumnParallelLinear.forward"),
+    (4, "RowParallelLinear.__init__"),
+    (4, "RowParallelLinear.load_dense"),
+    (4, "RowParallelLinear.forward"),
+    (5, "ParallelMLP.__init__"),
+    (5, "ParallelMLP.load_dense"),
+    (5, "ParallelMLP.forward"),
+    (6, "one_f_one_b"),
+    (7, "run_stage"),
+]
+
+
+def a5_split(outcomes: dict[str, Outcome]) -> tuple[list[Outcome], list[Outcome]]:
+    hidden = [o for t, o in outcomes.items() if t.startswith(f"grader.{A5}.")]
+    return hidden, [o for t, o in outcomes.items() if not t.startswith(f"grader.{A5}.")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a5_solution_passes_public_and_hidden_tests(tmp_path):
+    outcomes, output = run_pytest(tmp_path, A5_SOLUTION, [A5_SOLUTION / A5_PUBLIC, A5_HIDDEN], timeout=350)
+    not_passed = {t: o for t, o in outcomes.items() if o.status != "passed"}
+    assert not not_passed, describe(not_passed)
+    hidden, public = a5_split(outcomes)
+    assert len(public) >= 7 and len(hidden) >= 15
+    assert all(o.points and o.points > 0 for o in hidden) and all(o.points is None for o in public)
+    total = sum(o.points for o in hidden)
+    assert f"score: {total:g} / {total:g} points" in output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a5_released_stub_fails_every_test_with_not_implemented(tmp_path):
+    outcomes, _ = run_pytest(tmp_path, A5_STUB, [A5_STUB / A5_PUBLIC, A5_HIDDEN], timeout=350)
+    wrong = {
+        t: o for t, o in outcomes.items() if o.status != "failed" or "NotImplementedError" not in o.message
+    }
+    assert not wrong, "tests that did not fail with NotImplementedError:\n" + describe(wrong)
+    hidden, public = a5_split(outcomes)
+    assert len(hidden) >= 15 and len(public) >= 7
+    for test_id, outcome in outcomes.items():
+        assert "did not finish" not in outcome.message and "TODO(task" in outcome.message, test_id
+
+
+def a5_api(path: Path) -> dict[str, tuple]:
+    """name -> (arguments, docstring) of every top-level function, class and method (not imported)."""
+    tree = ast.parse(path.read_text())
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            out[node.name] = (ast.dump(node.args), ast.get_docstring(node))
+        elif isinstance(node, ast.ClassDef):
+            out[node.name] = ([ast.dump(base) for base in node.bases], ast.get_docstring(node))
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef):
+                    out[f"{node.name}.{item.name}"] = (ast.dump(item.args), ast.get_docstring(item))
+    return out
+
+
+def test_a5_stub_keeps_every_signature_and_docstring():
+    for name in A5_FILES:
+        solution = a5_api(A5_SOLUTION / name)
+        assert a5_api(A5_STUB / name) == solution, name
+    assert "ColumnParallelLinear.load_dense" in a5_api(A5_SOLUTION / "tp_layers.py")
+    stubs = "".join((A5_STUB / name).read_text() for name in A5_FILES)
+    for task, name in A5_TASKS:
+        assert f'raise NotImplementedError("TODO(task {task}): write {name}")' in stubs
+
+
+A5_STUB_PROBE = """
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+import schedule
+import tp_layers as tp
+
+comm, x = SimpleNamespace(rank=0, world_size=2), torch.ones(2, 4)
+ctx = SimpleNamespace(comm=comm)
+
+
+def blank(cls):
+    obj = cls.__new__(cls)
+    nn.Module.__init__(obj)
+    return obj
+
+
+calls = {
+    "CopyToTensorParallel.forward": lambda: tp.CopyToTensorParallel.forward(ctx, x, comm),
+    "CopyToTensorParallel.backward": lambda: tp.CopyToTensorParallel.backward(ctx, x),
+    "ReduceFromTensorParallel.forward": lambda: tp.ReduceFromTensorParallel.forward(ctx, x, comm),
+    "ReduceFromTensorParallel.backward": lambda: tp.ReduceFromTensorParallel.backward(ctx, x),
+    "one_f_one_b": lambda: schedule.one_f_one_b(2, 2),
+    "run_stage": lambda: schedule.run_stage(nn.Identity(), comm, [("F", 0)], [x], None, None, (2, 4)),
+}
+for cls in ("ColumnParallelLinear", "RowParallelLinear"):
+    calls[f"{cls}.__init__"] = lambda cls=cls: getattr(tp, cls)(4, 4, comm)
+    calls[f"{cls}.load_dense"] = lambda cls=cls: blank(getattr(tp, cls)).load_dense(torch.ones(4, 4), None)
+    calls[f"{cls}.forward"] = lambda cls=cls: blank(getattr(tp, cls)).forward(x)
+calls["ParallelMLP.__init__"] = lambda: tp.ParallelMLP(4, 8, comm)
+calls["ParallelMLP.load_dense"] = lambda: blank(tp.ParallelMLP).load_dense(None)
+calls["ParallelMLP.forward"] = lambda: blank(tp.ParallelMLP).forward(x)
+for task, name in %r:
+    try:
+        calls[name]()
+    except NotImplementedError as error:
+        assert f"TODO(task {task}): write {name}" in str(error), (name, str(error))
+    else:
+        raise AssertionError(f"{name} did not raise NotImplementedError")
+print("ok")
+"""
+
+
+def test_a5_stub_imports_and_each_part_raises_not_implemented_with_its_task(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(A5_STUB_PROBE % (A5_TASKS,))
+    env = {**os.environ, "PYTHONPATH": str(A5_STUB)}
+    result = subprocess.run(
+        [sys.executable, str(probe)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

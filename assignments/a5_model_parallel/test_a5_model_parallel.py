@@ -16,7 +16,7 @@ import a5_run
 import pytest
 import torch
 from schedule import gpipe, one_f_one_b
-from tp_layers import shard_range
+from tp_layers import ColumnParallelLinear, RowParallelLinear, shard_range
 
 import minidist as md
 
@@ -69,7 +69,9 @@ def test_parallel_mlp_allreduces_once_forward_and_once_backward():
 
 def test_sizes_that_do_not_divide_are_refused():
     with pytest.raises(ValueError, match="10"):
-        shard_range(10, _Rank(0, 4))
+        ColumnParallelLinear(8, 10, _Rank(0, 4))  # d_out = 10 on 4 ranks
+    with pytest.raises(ValueError, match="6"):
+        RowParallelLinear(6, 8, _Rank(0, 4))  # d_in = 6 on 4 ranks
 
 
 class _Rank:
