@@ -232,6 +232,8 @@ def test_checkpointing_on_cuda(mode):
     reference = run()
     ck.apply_checkpointing(model, mode)
     loss, grads = run()
-    torch.testing.assert_close(loss, reference[0], rtol=0, atol=0)
+    # Close, not equal: CUDA kernels (embedding backward's atomic adds) may sum in another order.
+    # A wrong dropout mask would change the grads at the first digit.
+    torch.testing.assert_close(loss, reference[0], rtol=1e-6, atol=1e-6)
     for name, g in grads.items():
-        torch.testing.assert_close(g, reference[1][name], rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(g, reference[1][name], rtol=1e-5, atol=1e-6, msg=name)
