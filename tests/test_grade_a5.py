@@ -251,6 +251,16 @@ def test_the_collective_log_counts_calls_by_phase():
     assert [(c["phase"], c["numel"]) for c in log.calls] == [("forward", 12), ("backward", 5)]
 
 
+def test_the_solution_is_not_flagged_as_similar_to_the_library():
+    paths = [path for pattern in grading.SIMILAR_TO for path in ROOT.glob(pattern)]
+    library = similarity.library_functions(paths, ROOT)
+    for name in grading.STUDENT_FILES:
+        source = (ROOT / "solutions/a5_model_parallel" / name).read_text()
+        match = similarity.best_match(source, library, grading.GIVEN_FUNCTIONS)
+        assert match.score < similarity.FLAG_AT, match
+        assert match.function not in grading.GIVEN_FUNCTIONS
+
+
 # --- intake and run time ---------------------------------------------------------------------------
 def test_the_intake_check_accepts_the_solution_and_refuses_the_library():
     rules = grading.FORBIDDEN

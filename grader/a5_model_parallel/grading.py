@@ -37,7 +37,7 @@ SANDBOX_FILES = ("workers.py", "rules.py")
 FORBIDDEN = Rules.of(rules)
 #: the library files a submission is compared with (``grader/similarity.py``), relative to the root
 SIMILAR_TO = ("lib/minidist/parallel/tensor.py", "lib/minidist/parallel/pipeline.py")
-#: functions the stub gives (every submission has them): not compared
+#: functions the stub gives (every submission has them), and the canonical few-liners: not compared
 GIVEN_FUNCTIONS = (
     "shard_range",
     "_GatherLastDim.forward",
@@ -50,6 +50,14 @@ GIVEN_FUNCTIONS = (
     "reduce_from_tensor_parallel",
     "_check_sizes",
     "gpipe",
+) + (
+    # not given, but not compared either: their docstrings dictate a few lines that every correct
+    # answer writes alike (the library's versions, written from the same specification, are the
+    # same tokens: 0.87-1.0 for the solution); a copy shows in the functions that are left
+    "ColumnParallelLinear.forward",
+    "RowParallelLinear.forward",
+    "ParallelMLP.load_dense",
+    "one_f_one_b",
 )
 WORKERS_MODULE = "workers"
 
