@@ -1,17 +1,14 @@
 """OffloadedAdamW (minidist.parallel.offload): torch's AdamW, with its state in files and RSS within a budget.
 
 References: ``torch.optim.AdamW`` on a copy of the same model (the same arithmetic, so equal), and the
-process's own resident memory (VmHWM in /proc) measured in a child process.
+process's own resident memory (VmHWM in /proc) measured in a child process (``offload.measure_rss_growth``).
 """
 
 from __future__ import annotations
 
 import copy
 import gc
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -20,7 +17,6 @@ from torch import nn
 from minidist.parallel import offload
 from minidist.parallel.offload import OffloadedAdamW
 
-WORKER = os.path.join(os.path.dirname(__file__), "offload_workers.py")
 PAGE = offload.PAGE_ELEMENTS
 
 
@@ -147,11 +143,7 @@ def test_clear_errors(tmp_path):
 
 
 def run_worker(**kwargs) -> dict:
-    proc = subprocess.run(
-        [sys.executable, WORKER, json.dumps(kwargs)], capture_output=True, text=True, timeout=120, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = offload.measure_rss_growth(**kwargs, timeout=120)
     if "error" in result:
         pytest.skip(result["error"])
     return result
@@ -183,3 +175,10 @@ def test_measure_offload(tmp_path):
     assert result["chunks"] == -(-result["n_params"] // (PAGE * 8))
     assert result["ratio"] == result["offload_step_s"] / result["adamw_step_s"]
     assert not any(tmp_path.iterdir())
+
+
+def test_measure_rss_growth_rejects_bad_input():
+    with pytest.raises(ValueError, match="optimizer must be"):
+        offload.measure_rss_growth(optimizer="sgd")
+    with pytest.raises(ValueError, match="smaller than one chunk"):
+        offload.measure_rss_growth(budget_bytes=100)

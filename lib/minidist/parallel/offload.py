@@ -40,10 +40,13 @@ master copy) of file traffic, against none for an optimizer in RAM. The files ar
 
 from __future__ import annotations
 
+import json
 import math
 import mmap
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import weakref
 from collections.abc import Iterable
@@ -51,7 +54,7 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
-__all__ = ["OffloadedAdamW", "state_bytes", "chunk_elements", "measure_offload"]
+__all__ = ["OffloadedAdamW", "state_bytes", "chunk_elements", "measure_offload", "measure_rss_growth"]
 
 PAGE_ELEMENTS = mmap.PAGESIZE // 4  # fp32 elements in one page: chunks start on page boundaries
 TEMPORARIES = 2  # chunk-sized temporaries of the update (√v term, the grad slice as fp32)
@@ -339,3 +342,136 @@ def measure_offload(
         "ratio": offload / adamw,
         "max_abs_diff": diff,
     }
+
+
+# --------------------------------------------------------------------------------------------
+# Resident memory: does the budget hold? (measured in a fresh child process)
+# --------------------------------------------------------------------------------------------
+# minidist.memory has the same /proc readers, but it sits a layer above this module (it reads the
+# models' configs), so the three lines each are repeated here rather than imported.
+def _proc_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not found in /proc/self/status: the RSS measurement needs Linux")
+
+
+def _reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (write "5" to /proc/self/clear_refs); False where refused."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _rss_growth_here(
+    width: int, layers: int, budget_bytes: int, steps: int, drop_pages: bool, optimizer: str
+) -> dict:
+    """The measurement behind :func:`measure_rss_growth`, in this process (call it in a fresh one)."""
+    if optimizer not in ("offload", "torch"):
+        raise ValueError(f'optimizer must be "offload" or "torch", got {optimizer!r}')
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    n_params = sum(p.numel() for p in model.parameters())
+    x = torch.randn(4, width)
+    with tempfile.TemporaryDirectory() as directory:
+        if optimizer == "offload":
+            opt = OffloadedAdamW(model.parameters(), directory, budget_bytes, lr=1e-3)
+            opt._drop_pages = drop_pages
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def forward_backward() -> None:
+            opt.zero_grad(set_to_none=False)
+            model(x).square().mean().backward()
+
+        forward_backward()
+        opt.step()
+        if optimizer == "offload" and not drop_pages:
+            # Start from a clean slate: the first step's pages out, so the growth shows them coming back.
+            for f in opt._files.values():
+                f.release(0, opt.n_params, drop_pages=True)
+        # What forward and backward alone add (weight-gradient temporaries, autograd's buffers):
+        # the overhead beside the optimizer's budget, measured, not guessed.
+        if not _reset_peak_rss():
+            return {"error": "cannot reset VmHWM via /proc/self/clear_refs"}
+        baseline = _proc_status_bytes("VmRSS")
+        for _ in range(steps):
+            forward_backward()
+        forward_backward_bytes = max(0, _proc_status_bytes("VmHWM") - baseline)
+        _reset_peak_rss()
+        baseline = _proc_status_bytes("VmRSS")
+        for _ in range(steps):
+            forward_backward()
+            opt.step()
+        peak = _proc_status_bytes("VmHWM")
+        if optimizer == "offload":
+            opt.close()
+    return {
+        "n_params": n_params,
+        "state_bytes": state_bytes(n_params),
+        "budget_bytes": budget_bytes if optimizer == "offload" else None,
+        "growth": peak - baseline,
+        "forward_backward": forward_backward_bytes,
+        "baseline": baseline,
+    }
+
+
+def measure_rss_growth(
+    width: int = 512,
+    layers: int = 12,
+    budget_bytes: int = 6 << 20,
+    steps: int = 2,
+    drop_pages: bool = True,
+    optimizer: str = "offload",
+    timeout: float = 120.0,
+) -> dict:
+    """Peak resident memory that ``steps`` training steps add, measured in a fresh child process.
+
+    The model is ``layers`` Linear(width, width) on a batch of 4, so its activations are tiny next
+    to its parameters. The child builds the model, its gradients and the optimizer, runs one step
+    (the allocator warms up, the state files exist), then measures twice from the RSS it then has:
+
+        forward_backward   peak growth over ``steps`` forward+backward passes alone
+        growth             peak growth over ``steps`` full steps (forward, backward, optimizer.step)
+
+    With ``optimizer="offload"`` the budget holds when ``growth <= budget_bytes + forward_backward``
+    (plus interpreter noise), however large ``state_bytes`` (8 per parameter: m and v) is.
+    ``drop_pages=False`` is the control: the chunks' pages stay mapped after use and the growth is
+    the whole state. ``optimizer="torch"``: ``torch.optim.AdamW`` in RAM (its state appears in the
+    first step, before the baseline: the growth is then only the step's temporaries).
+
+    A child process so that the caller's own allocations (a notebook's, pytest's) do not blur the
+    peak. Returns the child's dict, or ``{"error": ...}`` where /proc cannot reset the peak.
+    Raises RuntimeError (with the child's stderr) if it fails, TimeoutExpired after ``timeout`` s.
+    """
+    args = dict(
+        width=width,
+        layers=layers,
+        budget_bytes=budget_bytes,
+        steps=steps,
+        drop_pages=drop_pages,
+        optimizer=optimizer,
+    )
+    if optimizer not in ("offload", "torch"):
+        raise ValueError(f'optimizer must be "offload" or "torch", got {optimizer!r}')
+    if optimizer == "offload":
+        chunk_elements(budget_bytes)  # a budget below one page fails here, with its message
+    proc = subprocess.run(
+        [sys.executable, "-m", "minidist.parallel.offload", json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"the RSS measurement's child process failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    print(json.dumps(_rss_growth_here(**json.loads(sys.argv[1]))))
