@@ -187,3 +187,56 @@ def test_glove_python_baseline_learns_through_the_benchmark(small_glove, tmp_pat
     ]
     assert row["wordsim353"] > max(random_scores)
     assert row["pairs_per_second"] > 0
+
+
+@pytest.mark.slow
+def test_model_parallel_benchmark_reports_every_row_and_bytes_equal_the_formulas(tmp_path):
+    """Tiny decoder, 2 ranks: every row is printed, the bytes each rank sent equal the formulas
+    (written out again here), and every row trained the same thing (same last-step loss)."""
+    vocab, d, layers, seq, batch, m, steps = 64, 32, 2, 8, 2, 2, 2
+    out = run_bench(
+        "model_parallel",
+        *("--vocab", str(vocab), "--hidden", str(d), "--layers", str(layers), "--heads", "2"),
+        *("--seq", str(seq), "--batch", str(batch), "--microbatches", str(m), "--steps", str(steps)),
+        *("--bubble-microbatches", "2", "--t-forward", "0.005", "--t-backward", "0.01"),
+        out=tmp_path,
+    )
+    names = ["DP (our DDP)", "TP-2", "PP GPipe", "PP 1F1B", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+    names += ["ZeRO-3 (gloo)", "FSDP2 (torch, gloo)"]
+    for name in names:
+        assert any(line.strip().startswith(name) for line in out.splitlines()), name
+    assert "x DP" in out and "sent/formula" in out and "held/calc" in out and "ours ZeRO-3 / FSDP2" in out
+    data = json.loads((tmp_path / "model_parallel.json").read_text())
+    rows = data["rows"]
+    assert list(rows) == names
+    from minidist.bench.model_parallel import config, make_model
+
+    numel = sum(
+        p.numel() for p in make_model(config(vocab=vocab, hidden=d, layers=layers, seq=seq)).parameters()
+    )
+    B = 2 * batch  # global batch
+    bsd, tokens = B * seq * d, B * (seq - 1)
+    want = {  # 2 ranks: an allreduce of n bytes sends n per rank; ring reduce-scatter/allgather n/2
+        "DP (our DDP)": numel * 4,
+        "TP-2": ((1 + 4 * layers + 1) * bsd + 3 * tokens) * 4,
+        "PP GPipe": m * (B // m * seq * d * 4 + 64) + vocab * d * 4,
+        "PP 1F1B": m * (B // m * seq * d * 4 + 64) + vocab * d * 4,
+    }
+    for stage, factor in ((1, 2), (2, 2), (3, 3)):
+        padded = numel + numel % 2
+        want[f"ZeRO-{stage}"] = factor * padded / 2 * 4
+    want["ZeRO-3 (gloo)"] = want["ZeRO-3"]
+    for name, expected in want.items():
+        assert rows[name]["formula"] == expected, name
+        assert rows[name]["bytes_sent"] == [expected, expected], name
+    counts = rows["TP-2"]["collectives"]
+    assert (
+        counts["forward"]["allreduce"] == 2 * layers + 3 and counts["backward"]["allreduce"] == 2 * layers + 1
+    )
+    assert rows["PP GPipe"]["peak_in_flight"] == [m, m] and rows["PP 1F1B"]["peak_in_flight"] == [2, 1]
+    losses = [row["loss"] for row in rows.values()]
+    assert all(loss == pytest.approx(losses[0], rel=1e-4) for loss in losses)
+    for row in rows.values():
+        assert row["step_s"] > 0
+    (bubble,) = [b for b in data["bubble"] if b["schedule"] == "1F1B"]
+    assert bubble["formula"] == pytest.approx(1 / (2 + 1)) and 0 < bubble["measured"] < 1

@@ -1,4 +1,4 @@
-"""``python -m minidist.bench {p2p,launch,collectives,glove,ddp}`` -- see each module's docstring."""
+"""``python -m minidist.bench {p2p,launch,collectives,glove,ddp,...,model_parallel}`` -- see each module's docstring."""
 
 from __future__ import annotations
 
@@ -70,6 +70,9 @@ def main(argv=None) -> None:
     from . import averaging as averaging_bench  # its own arguments and main
 
     averaging_bench.add_parser(sub)
+    from . import model_parallel as model_parallel_bench  # its own arguments and main
+
+    model_parallel_bench.add_parser(sub)
     args, rest = parser.parse_known_args(argv)
     if args.bench == "large_batch":  # its own options: python -m minidist.bench large_batch --help
         from . import large_batch as bench
@@ -80,6 +83,8 @@ def main(argv=None) -> None:
         return compression_bench.main(args)
     if args.bench == "averaging":
         return averaging_bench.main(args)
+    if args.bench == "model_parallel":
+        return model_parallel_bench.main(args)
     if args.bench == "ddp":
         from . import ddp as bench
 

@@ -15,8 +15,11 @@ every rank build the same model (same seed) and read the same data (rank r takes
 from __future__ import annotations
 
 import gc
+import math
+import os
 import statistics
 import time
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -114,7 +117,8 @@ def train_zero(comm, cfg: dict) -> dict:
     * ``padded_numel`` (the flat count the shards are cut from) and ``numel`` (the model's);
     * ``step_s``: median step seconds, the first (warm-up) step left out;
     * ``peak_gathered_units``: stage 3 only, most units gathered at once (2 with prefetch);
-    * ``peak_rss_growth``: peak RSS over the steps after the first, above the RSS after it."""
+    * ``peak_rss_growth``: peak RSS over the steps after the first, above the RSS after it;
+    * ``loss``: this rank's loss in the last step (mean over its rows)."""
     model = make_model(cfg)
     stage = cfg["stage"]
     if stage in (1, 2):
@@ -136,7 +140,8 @@ def train_zero(comm, cfg: dict) -> dict:
         mine = my_rows(ids, comm.rank, cfg)
         comm.reset_stats()
         t0 = time.perf_counter()
-        runner(mine, labels=mine).loss.backward()
+        loss = runner(mine, labels=mine).loss
+        loss.backward()
         opt.step()
         times.append(time.perf_counter() - t0)
         sent = comm.stats.bytes_sent
@@ -158,6 +163,7 @@ def train_zero(comm, cfg: dict) -> dict:
         "step_s": statistics.median(times[1:] or times),
         "peak_gathered_units": getattr(runner, "peak_gathered_units", None),
         "peak_rss_growth": peak,
+        "loss": float(loss.detach()),
     }
 
 
@@ -167,7 +173,7 @@ def train_fsdp2(comm, cfg: dict) -> dict:
 
     Each block and the final norm are their own group; the root group holds the embeddings
     (the word table is tied to the output, which the root's forward uses). Returns ``state``,
-    ``step_s`` and ``peak_rss_growth`` measured as in :func:`train_zero`."""
+    ``step_s``, ``peak_rss_growth`` and ``loss`` measured as in :func:`train_zero`."""
     from torch.distributed.fsdp import fully_shard
 
     model = make_model(cfg)
@@ -180,7 +186,8 @@ def train_fsdp2(comm, cfg: dict) -> dict:
     for ids in make_data(cfg):
         mine = my_rows(ids, comm.rank, cfg)
         t0 = time.perf_counter()
-        model(mine, labels=mine).loss.backward()
+        loss = model(mine, labels=mine).loss
+        loss.backward()
         opt.step()
         times.append(time.perf_counter() - t0)
         opt.zero_grad()
@@ -188,7 +195,12 @@ def train_fsdp2(comm, cfg: dict) -> dict:
             base = _start_peak()
     peak = memory.peak_rss_bytes() - base
     state = {n: p.full_tensor().detach().cpu().clone() for n, p in model.named_parameters()}
-    return {"state": state, "step_s": statistics.median(times[1:] or times), "peak_rss_growth": peak}
+    return {
+        "state": state,
+        "step_s": statistics.median(times[1:] or times),
+        "peak_rss_growth": peak,
+        "loss": float(loss.detach()),
+    }
 
 
 def _start_peak() -> int:
@@ -216,7 +228,430 @@ def compare_with_fsdp2(comm, cfg: dict) -> dict:
         "fsdp2_step_s": theirs["step_s"],
         "ours_peak_rss_growth": ours["peak_rss_growth"],
         "fsdp2_peak_rss_growth": theirs["peak_rss_growth"],
+        "ours_loss": ours["loss"],
+        "fsdp2_loss": theirs["loss"],
         "ours_bytes_sent": ours["bytes_sent"],
         "ours_held": ours["held"],
         "padded_numel": ours["padded_numel"],
     }
+
+
+# --------------------------------------------------------------------------------------------
+# The bench
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelParallelBench:
+    """One decoder, 2 ranks. ``batch`` is per rank for data parallelism: every row trains on
+    the same global batch of ``world_size * batch`` sequences per step (DP and ZeRO: ``batch``
+    rows on each rank; TP: all rows on both ranks; PP: all rows, cut into ``microbatches``).
+    ``steps`` measured steps after ``warmup``. The bubble rows use sleep-timed stages
+    (``t_forward``, ``t_backward`` seconds) for each m in ``bubble_microbatches``."""
+
+    vocab: int = 8192
+    hidden: int = 256
+    layers: int = 4
+    heads: int = 4
+    seq: int = 64
+    batch: int = 4
+    steps: int = 5
+    warmup: int = 1
+    microbatches: int = 4
+    bubble_microbatches: tuple[int, ...] = (2, 8)
+    t_forward: float = 0.02
+    t_backward: float = 0.04
+    fsdp2: bool = True
+    world_size: int = 2
+    lr: float = 1e-3
+
+    def run_config(self, **overrides) -> dict:
+        """The :func:`config` dict of this bench (float32, pipe transport's ranks)."""
+        return config(
+            world_size=self.world_size, steps=self.warmup + self.steps, batch=self.batch,
+            seq=self.seq, vocab=self.vocab, hidden=self.hidden, layers=self.layers,
+            heads=self.heads, lr=self.lr, **overrides,
+        )  # fmt: skip
+
+
+# --- formulas: payload bytes one rank sends per step (p = 2: every allreduce algorithm sends n) ---
+
+
+def allreduce_bytes(n_bytes: float, world: int) -> float:
+    """Bytes one rank sends in an allreduce of ``n_bytes``: the ring's 2 (p-1)/p n.
+
+    For p = 2 every algorithm of ``minidist.collectives`` (ring, butterfly, tree, star) sends
+    exactly n: one half-exchange each way for the ring, one full message for the others."""
+    return 2 * (world - 1) / world * n_bytes
+
+
+def tp_traffic_formula(
+    cfg: TransformerConfig, batch: int, seq: int, world: int, dtype_bytes: int = 4
+) -> dict:
+    """TP (``TensorParallelDecoderLM``) per step: collective counts and bytes per rank.
+
+    forward:  embedding g (b s d) + 2 per layer (b s d each) + cross-entropy max (b (s-1))
+              and [sum exp, target] (2 b (s-1))
+    backward: 2 per layer (b s d) + f before the logits (b s d)"""
+    bsd, tokens, layers = batch * seq * cfg.hidden_size, batch * (seq - 1), cfg.n_layers
+    forward = bsd + 2 * layers * bsd + tokens + 2 * tokens
+    backward = 2 * layers * bsd + bsd
+    return {
+        "forward": 1 + 2 * layers + 2,
+        "backward": 2 * layers + 1,
+        "bytes": allreduce_bytes((forward + backward) * dtype_bytes, world),
+    }
+
+
+def pp_traffic_formula(
+    cfg: TransformerConfig, batch: int, seq: int, microbatches: int, dtype_bytes: int = 4
+) -> float:
+    """PP with 2 stages per step, bytes per rank: stage 0 sends each microbatch's activations
+    (b/m, s, d) forward, stage 1 sends their gradients back (same size), each with a 64-byte
+    header (8 int64: kind, microbatch, chunk, shape); then the two copies of the tied word
+    table swap gradients (V d each way, ``stages.sync_tied_gradients``)."""
+    act = batch // microbatches * seq * cfg.hidden_size * dtype_bytes
+    return microbatches * (act + 64) + cfg.vocab_size * cfg.hidden_size * dtype_bytes
+
+
+def _held(params, opt) -> int:
+    params = list(params)
+    grads = [p.grad for p in params if p.grad is not None]
+    state = [dict(s) for s in opt.state.values()]  # the values: opt.state's keys are the parameters
+    return memory.tensor_bytes(params) + memory.tensor_bytes(grads) + memory.tensor_bytes(state)
+
+
+def _dp_tp_pp_worker(comm, bench: ModelParallelBench) -> dict:
+    """DP (our DDP), TP-2, PP GPipe and PP 1F1B in one launch, interleaved: one step of each per
+    round, a barrier before each step, so that load that drifts slows every variant alike."""
+    from minidist.models.stages import next_token_loss, split_decoder, sync_tied_gradients
+    from minidist.models.tp_decoder import TensorParallelDecoderLM
+    from minidist.parallel import pipeline as pp
+    from minidist.parallel import tensor as tp
+    from minidist.parallel.ddp import DistributedDataParallel
+
+    torch.set_num_threads(1)
+    cfg = bench.run_config()
+    rank, world, m = comm.rank, comm.world_size, bench.microbatches
+    data = make_data(cfg)
+
+    def dp_step(state, ids):
+        mine = my_rows(ids, rank, cfg)
+        loss = state["net"](mine, labels=mine).loss
+        loss.backward()
+        return float(loss.detach())
+
+    def tp_step(state, ids):
+        loss = state["net"](ids, labels=ids).loss
+        loss.backward()
+        return float(loss.detach())
+
+    def pp_step(state, ids):
+        out = pp.run_pipeline(
+            state["net"], comm, state["schedule"][rank],
+            inputs=ids if rank == 0 else None, targets=ids if rank == world - 1 else None,
+            loss_fn=next_token_loss,
+        )  # fmt: skip
+        sync_tied_gradients(state["net"], comm)
+        state["result"] = out
+        return out.loss
+
+    variants = {
+        "DP (our DDP)": {"net": DistributedDataParallel(make_model(cfg), comm), "step": dp_step},
+        "TP-2": {"net": TensorParallelDecoderLM.from_dense(make_model(cfg), comm), "step": tp_step},
+    }
+    for name, fn in (("PP GPipe", pp.gpipe), ("PP 1F1B", pp.one_f_one_b)):
+        variants[name] = {
+            "net": split_decoder(make_model(cfg), world)[rank], "step": pp_step, "schedule": fn(world, m)
+        }  # fmt: skip
+    for state in variants.values():
+        state["opt"] = _adamw(state["net"].parameters(), cfg)
+        state["times"] = []
+    for step, ids in enumerate(data):
+        for name, state in variants.items():
+            comm.barrier()
+            comm.reset_stats()
+            tp.reset_collective_counts(comm)
+            t0 = time.perf_counter()
+            state["loss"] = state["step"](state, ids)
+            state["opt"].step()
+            elapsed = time.perf_counter() - t0
+            state["bytes_sent"] = comm.stats.bytes_sent
+            state["held"] = _held(state["net"].parameters(), state["opt"])
+            state["opt"].zero_grad()
+            if step >= bench.warmup:
+                state["times"].append(elapsed)
+            if name == "TP-2":
+                state["collectives"] = tp.count_collectives(comm)
+    out = {}
+    for name, state in variants.items():
+        row = {k: state[k] for k in ("times", "bytes_sent", "held", "loss")}
+        row["param_bytes"] = memory.tensor_bytes(list(state["net"].parameters()))
+        if "collectives" in state:
+            row["collectives"] = state["collectives"]
+        if "result" in state:
+            res = state["result"]
+            row["peak_in_flight"] = res.peak_in_flight
+            row["pipeline"] = res
+        out[name] = row
+    return out
+
+
+def _zero_launches(bench: ModelParallelBench) -> dict:
+    """ZeRO-1/2/3 (one launch each, pipe transport: RSS peaks of their own) and ours vs FSDP2
+    (one launch on gloo, ours stage 3 then FSDP2)."""
+    import minidist as md
+
+    rows = {}
+    for stage in (1, 2, 3):
+        cfg = bench.run_config(stage=stage)
+        print(f"ZeRO-{stage} ...", flush=True)
+        rows[f"ZeRO-{stage}"] = md.launch(
+            train_zero, bench.world_size, args=(cfg,), transport="pipe", timeout=300
+        )
+    if bench.fsdp2:
+        print("ours (ZeRO-3) and torch FSDP2 on gloo ...", flush=True)
+        rows["FSDP2"] = md.launch(
+            compare_with_fsdp2, bench.world_size, args=(bench.run_config(),), transport="torch", timeout=300
+        )
+    return rows
+
+
+def run(bench: ModelParallelBench, out: str | None = None) -> dict:
+    """Run every variant, print three tables (time and traffic, memory, bubble), save JSON."""
+    import minidist as md
+    from minidist.parallel import pipeline as pp
+
+    from ._util import out_dir, print_table, save_json
+
+    p, m = bench.world_size, bench.microbatches
+    if p != 2:
+        raise ValueError(f"this bench runs 2 ranks (TP-2, 2 stages, ZeRO over 2), got world_size={p}")
+    global_batch = p * bench.batch
+    if global_batch % m:
+        raise ValueError(
+            f"the global batch {global_batch} (= {p} x batch {bench.batch}) does not split into "
+            f"{m} microbatches; pick a microbatch count that divides it"
+        )
+    cfg = bench.run_config()
+    mcfg = model_config(cfg)
+    load_before = os.getloadavg()
+    print(
+        f"DP, TP-2, PP GPipe, PP 1F1B interleaved in one launch ({bench.warmup + bench.steps} steps) ...",
+        flush=True,
+    )
+    par = md.launch(_dp_tp_pp_worker, p, args=(bench,), transport="pipe", timeout=600)
+    zero_runs = _zero_launches(bench)
+    bubbles = {}
+    for name, fn in (("GPipe", pp.gpipe), ("1F1B", pp.one_f_one_b)):
+        for mb in bench.bubble_microbatches:
+            print(f"bubble {name} m={mb} (sleep-timed stages) ...", flush=True)
+            res = pp.measure_bubble(
+                p, mb, fn, bench.t_forward, bench.t_backward, transport="pipe", timeout=120
+            )
+            bubbles[(name, mb)] = {k: res[k] for k in ("measured", "formula", "simulated", "wall_s")}
+    load_after = os.getloadavg()
+
+    # ---- time and traffic ---------------------------------------------------------------------
+    numel = sum(p_.numel() for p_ in make_model(cfg).parameters())
+    formulas = {
+        "DP (our DDP)": allreduce_bytes(numel * 4, p),
+        "TP-2": tp_traffic_formula(mcfg, global_batch, bench.seq, p)["bytes"],
+        "PP GPipe": pp_traffic_formula(mcfg, global_batch, bench.seq, m),
+        "PP 1F1B": pp_traffic_formula(mcfg, global_batch, bench.seq, m),
+    }
+    rows: dict[str, dict] = {}
+    for name in formulas:
+        per_rank = [r[name] for r in par]
+        step = statistics.median(max(ts) for ts in zip(*(r["times"] for r in per_rank)))
+        rows[name] = {
+            "step_s": step,
+            "bytes_sent": [r["bytes_sent"] for r in per_rank],
+            "formula": formulas[name],
+            "loss": statistics.fmean(r["loss"] for r in per_rank if r["loss"] is not None),
+            "held": [r["held"] for r in per_rank],
+        }
+    tp_counts = par[0]["TP-2"]["collectives"]
+    tp_want = tp_traffic_formula(mcfg, global_batch, bench.seq, p)
+    rows["TP-2"]["collectives"] = tp_counts
+    for name in ("PP GPipe", "PP 1F1B"):
+        fn = pp.gpipe if name == "PP GPipe" else pp.one_f_one_b
+        tl = pp.timeline_of([r[name]["pipeline"] for r in par])
+        rows[name]["peak_in_flight"] = [r[name]["peak_in_flight"] for r in par]
+        rows[name]["peak_in_flight_schedule"] = pp.peak_in_flight(fn(p, m))
+        rows[name]["bubble_measured"] = tl.bubble_fraction
+    for stage in (1, 2, 3):
+        outs = zero_runs[f"ZeRO-{stage}"]
+        rows[f"ZeRO-{stage}"] = {
+            "step_s": max(o["step_s"] for o in outs),
+            "bytes_sent": [o["bytes_sent"] for o in outs],
+            "formula": zero.traffic_formula(stage, outs[0]["padded_numel"], p, 4),
+            "loss": statistics.fmean(o["loss"] for o in outs),
+            "held": [sum(o["held"][k] for k in ("params", "grads", "optimizer")) for o in outs],
+            "peak_rss_growth": [o["peak_rss_growth"] for o in outs],
+        }
+    if "FSDP2" in zero_runs:
+        outs = zero_runs["FSDP2"]
+        rows["ZeRO-3 (gloo)"] = {
+            "step_s": max(o["ours_step_s"] for o in outs),
+            "bytes_sent": [o["ours_bytes_sent"] for o in outs],
+            "formula": zero.traffic_formula(3, outs[0]["padded_numel"], p, 4),
+            "loss": statistics.fmean(o["ours_loss"] for o in outs),
+            "held": [sum(o["ours_held"][k] for k in ("params", "grads", "optimizer")) for o in outs],
+            "peak_rss_growth": [o["ours_peak_rss_growth"] for o in outs],
+        }
+        rows["FSDP2 (torch, gloo)"] = {
+            "step_s": max(o["fsdp2_step_s"] for o in outs),
+            "loss": statistics.fmean(o["fsdp2_loss"] for o in outs),
+            "peak_rss_growth": [o["fsdp2_peak_rss_growth"] for o in outs],
+        }
+    dp_step = rows["DP (our DDP)"]["step_s"]
+    mib = 1 / (1 << 20)
+    table = []
+    for name, r in rows.items():
+        sent = r.get("bytes_sent")
+        formula = r.get("formula")
+        table.append([
+            name, r["step_s"] * 1e3, r["step_s"] / dp_step,
+            f"{max(sent) * mib:.3f}" if sent else "-",
+            f"{formula * mib:.3f}" if formula else "-",
+            max(sent) / formula if sent and formula else math.nan,
+            r["loss"],
+        ])  # fmt: skip
+    title = (
+        f"decoder vocab {bench.vocab}, d {bench.hidden}, {bench.layers} layers, {bench.heads} heads, "
+        f"seq {bench.seq}; {p} ranks, global batch {global_batch} per step; median of {bench.steps} "
+        f"steps after {bench.warmup}, slowest rank; x DP = step time / the DP row's (DP, TP, PP: one "
+        "launch, steps interleaved; ZeRO rows: their own launches); MiB sent = payload bytes per rank "
+        "per step (the more of the two ranks); loss = last step's, mean of ranks (all rows train the same)"
+    )
+    print()
+    text = print_table(
+        ["variant", "step ms", "x DP", "MiB sent/rank", "formula MiB", "sent/formula", "loss"], table, title
+    )
+    print(
+        f"TP-2 collectives per step: forward {tp_counts['forward']['allreduce']} allreduces "
+        f"(formula {tp_want['forward']}), backward {tp_counts['backward']['allreduce']} "
+        f"(formula {tp_want['backward']})"
+    )
+    for name in ("PP GPipe", "PP 1F1B"):
+        r = rows[name]
+        print(
+            f"{name}, m={m}: peak microbatches in flight per stage {r['peak_in_flight']} "
+            f"(schedule: {r['peak_in_flight_schedule']}); bubble on the decoder {r['bubble_measured']:.1%} "
+            f"(balanced-stage formula {pp.bubble_formula(p, m):.1%}; stage 1 also computes the "
+            f"{bench.vocab}-word head)"
+        )
+
+    # ---- memory -------------------------------------------------------------------------------
+    def calc(name: str, rank: int) -> dict:
+        kw = dict(batch=bench.batch, seq=bench.seq, precision="fp32")
+        if name == "DP (our DDP)":
+            return memory.estimate(mcfg, dp=p, activations="minidist", **kw)
+        if name == "TP-2":
+            return memory.estimate(mcfg, **{**kw, "batch": global_batch}, tp=p)
+        if name.startswith("PP"):
+            return memory.estimate(mcfg, **{**kw, "batch": global_batch // m}, pp=p, stage=rank)
+        stage = 3 if name.startswith(("ZeRO-3", "FSDP2")) else int(name[-1])
+        return memory.estimate(mcfg, zero_stage=stage, dp=p, activations="minidist", **kw)
+
+    mem_table = []
+    for name, r in rows.items():
+        ests = [calc(name, rank) for rank in range(p)]
+        states = [e["params"] + e["grads"] + e["optimizer"] for e in ests]
+        r["calculator"] = ests
+        held = r.get("held")
+        growth = r.get("peak_rss_growth")
+        acts = ests[0]["activations"] if name.startswith(("DP", "ZeRO", "FSDP2")) else math.nan
+        mem_table.append([
+            name,
+            " / ".join(f"{h * mib:.1f}" for h in held) if held else "-",
+            " / ".join(f"{s * mib:.1f}" for s in states),
+            max(held) / max(states) if held else math.nan,
+            " / ".join(f"{g * mib:.1f}" for g in growth) if growth else "-",
+            acts * mib,
+        ])  # fmt: skip
+    print()
+    mem_text = print_table(
+        [
+            "variant",
+            "held MiB r0 / r1",
+            "calculator MiB",
+            "held/calc",
+            "peak RSS growth MiB r0 / r1",
+            "calc activations MiB",
+        ],
+        mem_table,
+        "model states held after the optimizer step (parameters + gradients + AdamW state, counted from "
+        "storages) vs memory.estimate(precision='fp32', dp/tp/pp, zero_stage, stage=rank); peak RSS growth "
+        "= peak resident memory during the steps after the first, above the RSS after it (activations, "
+        "fresh gradients, gathered units), next to the calculator's activations (activations='minidist', "
+        "our DecoderLM exactly; DP/ZeRO rows)",
+    )
+    if "FSDP2 (torch, gloo)" in rows:
+        ours, theirs = rows["ZeRO-3 (gloo)"], rows["FSDP2 (torch, gloo)"]
+        print(
+            f"ours ZeRO-3 / FSDP2 (same launch, gloo): step time {ours['step_s'] / theirs['step_s']:.2f}x, "
+            f"peak RSS growth {max(ours['peak_rss_growth']) / max(theirs['peak_rss_growth']):.2f}x"
+        )
+
+    # ---- bubble -------------------------------------------------------------------------------
+    bubble_table = [
+        [
+            name,
+            mb,
+            b["measured"],
+            b["formula"],
+            b["simulated"],
+            b["measured"] / b["formula"],
+            b["wall_s"] * 1e3,
+        ]
+        for (name, mb), b in bubbles.items()
+    ]
+    print()
+    bubble_text = print_table(
+        ["schedule", "m", "measured", "formula", "simulated", "measured/formula", "makespan ms"],
+        bubble_table,
+        f"pipeline bubble, 2 stages, sleep-timed (t_F = {bench.t_forward * 1e3:g} ms, t_B = "
+        f"{bench.t_backward * 1e3:g} ms): measured 1 - busy / (p x makespan) vs (p-1)/(m+p-1)",
+    )
+    print(f"load average before {load_before[0]:.1f}, after {load_after[0]:.1f} ({os.cpu_count()} cores)")
+    directory = out_dir(out)
+    save_json(
+        directory,
+        "model_parallel",
+        {
+            "config": asdict(bench),
+            "load": [load_before, load_after],
+            "rows": rows,
+            "bubble": [{"schedule": n, "m": mb, **b} for (n, mb), b in bubbles.items()],
+            "tables": [text, mem_text, bubble_text],
+        },
+    )
+    return {"rows": rows, "bubble": bubbles}
+
+
+def add_parser(sub) -> None:
+    parser = sub.add_parser(
+        "model_parallel", help="TP, PP (GPipe, 1F1B), ZeRO-1/2/3 and FSDP2 on one decoder, 2 ranks"
+    )
+    d = ModelParallelBench()
+    for name in ("vocab", "hidden", "layers", "heads", "seq", "batch", "steps", "warmup", "microbatches"):
+        parser.add_argument(
+            f"--{name}", type=int, default=getattr(d, name), help=f"default {getattr(d, name)}"
+        )
+    parser.add_argument("--bubble-microbatches", type=int, nargs="+", default=list(d.bubble_microbatches))
+    parser.add_argument("--t-forward", type=float, default=d.t_forward, help="seconds, sleep-timed stages")
+    parser.add_argument("--t-backward", type=float, default=d.t_backward)
+    parser.add_argument("--no-fsdp2", action="store_true", help="skip the FSDP2 comparison (gloo)")
+    parser.add_argument("--out", default=None, help="folder for the JSON (default bench-results/)")
+
+
+def main(args) -> None:
+    bench = ModelParallelBench(
+        vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq,
+        batch=args.batch, steps=args.steps, warmup=args.warmup, microbatches=args.microbatches,
+        bubble_microbatches=tuple(args.bubble_microbatches), t_forward=args.t_forward,
+        t_backward=args.t_backward, fsdp2=not args.no_fsdp2,
+    )  # fmt: skip
+    run(bench, args.out)
