@@ -110,7 +110,7 @@ def test_one_f_one_b_with_fewer_microbatches_than_stages():
 
 # --- task 7 ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
-def test_run_stage_gradients_equal_one_process(kind):
+def test_stage_step_gradients_equal_one_process(kind):
     m, rows, width, classes = 3, 4, 6, 3
     reports = run(a5_run.pipeline, 2, m, rows, width, classes, kind)
     loss, grads = a5_run.one_process(2, m, rows, width, classes)
