@@ -1,5 +1,34 @@
 """``python -m minidist.bench model_parallel``: tensor, pipeline and ZeRO/FSDP on one decoder, 2 ranks.
 
+Every row trains the same ``DecoderLM`` (default vocab 8192, d 256, 4 layers, 4 heads, seq 64) from
+the same weights on the same global batch of 2 x ``batch`` sequences per step with AdamW, so the
+last-step losses printed agree and the step times compare "one global batch" each:
+
+* ``DP (our DDP)`` -- the reference line: ``parallel.ddp.DistributedDataParallel``, ``batch`` rows
+  per rank, gradients allreduced (2 (p-1)/p x gradient bytes per rank);
+* ``TP-2`` -- ``TensorParallelDecoderLM.from_dense``: both ranks see all rows, each holds half of
+  every big matrix; bytes per rank vs :func:`tp_traffic_formula` (2 allreduces of b s d per layer
+  forward, 2 backward, plus the embedding's, the logits' f and the cross-entropy's two small ones),
+  and ``tensor.count_collectives`` vs the same counts;
+* ``PP GPipe``, ``PP 1F1B`` -- ``models.stages.split_decoder`` into 2 stages, ``microbatches``
+  microbatches, ``pipeline.run_pipeline`` + ``stages.sync_tied_gradients``: bytes vs
+  :func:`pp_traffic_formula` (activations forward, their gradients back, the tied table's gradient
+  swap), microbatches in flight vs ``pipeline.peak_in_flight`` of the schedule, and the bubble of
+  the real (unbalanced) stages from ``pipeline.timeline_of``;
+* ``ZeRO-1/2/3`` -- ``zero.ZeroOptimizer`` (stages 1, 2) and ``zero.FullyShardedModule`` (3), as
+  in :func:`train_zero`: bytes vs ``zero.traffic_formula``;
+* ``ZeRO-3 (gloo)`` and ``FSDP2 (torch, gloo)`` -- :func:`compare_with_fsdp2`: ours and torch's
+  ``fully_shard`` in one launch on a gloo group, the ours / FSDP2 ratios of step time and peak RSS.
+
+The rows down to ZeRO-3 run in ONE launch, interleaved (one step of each per round, a barrier
+before each step) so that load drifting on a shared machine slows them alike; for their memory
+the ZeRO stages run again alone (:func:`train_zero`, 3 steps: a peak RSS of their own). A second table puts the model states each
+rank holds after the step (parameters + gradients + AdamW state, ``memory.tensor_bytes``) next to
+``memory.estimate(precision="fp32", dp/tp/pp, zero_stage, stage=rank)``, and the peak RSS growth
+of the ZeRO/FSDP2 steps next to the calculator's activations. A third measures the pipeline
+bubble with sleep-timed stages (``pipeline.measure_bubble``: sleeping takes no CPU, so 2 busy
+cores still show the schedule) against ``(p - 1) / (m + p - 1)``. Results: bench-results/model_parallel.json.
+
 This module also holds the **run functions** that the ZeRO tests, notebook 08 and this bench
 share. A run is a plain dict (:func:`config`) so that the single-process :func:`reference` and
 every rank build the same model (same seed) and read the same data (rank r takes rows
@@ -266,12 +295,13 @@ class ModelParallelBench:
     lr: float = 1e-3
 
     def run_config(self, **overrides) -> dict:
-        """The :func:`config` dict of this bench (float32, pipe transport's ranks)."""
-        return config(
+        """The :func:`config` dict of this bench (float32), ``overrides`` on top."""
+        base = dict(
             world_size=self.world_size, steps=self.warmup + self.steps, batch=self.batch,
             seq=self.seq, vocab=self.vocab, hidden=self.hidden, layers=self.layers,
-            heads=self.heads, lr=self.lr, **overrides,
+            heads=self.heads, lr=self.lr,
         )  # fmt: skip
+        return config(**{**base, **overrides})
 
 
 # --- formulas: payload bytes one rank sends per step (p = 2: every allreduce algorithm sends n) ---
@@ -317,13 +347,16 @@ def pp_traffic_formula(
 def _held(params, opt) -> int:
     params = list(params)
     grads = [p.grad for p in params if p.grad is not None]
+    params = [p.detach() for p in params]  # tensor_bytes of a Parameter would count its .grad too
     state = [dict(s) for s in opt.state.values()]  # the values: opt.state's keys are the parameters
     return memory.tensor_bytes(params) + memory.tensor_bytes(grads) + memory.tensor_bytes(state)
 
 
-def _dp_tp_pp_worker(comm, bench: ModelParallelBench) -> dict:
-    """DP (our DDP), TP-2, PP GPipe and PP 1F1B in one launch, interleaved: one step of each per
-    round, a barrier before each step, so that load that drifts slows every variant alike."""
+def _interleaved_worker(comm, bench: ModelParallelBench) -> dict:
+    """DP (our DDP), TP-2, PP GPipe, PP 1F1B and ZeRO-1/2/3 in one launch, interleaved: one step
+    of each per round, a barrier before each step, so that load that drifts slows every variant
+    alike. Per variant: step times, bytes sent in the last step, loss; model states held after
+    the last step (DP, TP, PP; the ZeRO rows' memory comes from their own launches)."""
     from minidist.models.stages import next_token_loss, split_decoder, sync_tied_gradients
     from minidist.models.tp_decoder import TensorParallelDecoderLM
     from minidist.parallel import pipeline as pp
@@ -335,13 +368,13 @@ def _dp_tp_pp_worker(comm, bench: ModelParallelBench) -> dict:
     rank, world, m = comm.rank, comm.world_size, bench.microbatches
     data = make_data(cfg)
 
-    def dp_step(state, ids):
+    def my_step(state, ids):  # data parallel: this rank's rows
         mine = my_rows(ids, rank, cfg)
         loss = state["net"](mine, labels=mine).loss
         loss.backward()
         return float(loss.detach())
 
-    def tp_step(state, ids):
+    def tp_step(state, ids):  # tensor parallel: every row on every rank
         loss = state["net"](ids, labels=ids).loss
         loss.backward()
         return float(loss.detach())
@@ -357,7 +390,7 @@ def _dp_tp_pp_worker(comm, bench: ModelParallelBench) -> dict:
         return out.loss
 
     variants = {
-        "DP (our DDP)": {"net": DistributedDataParallel(make_model(cfg), comm), "step": dp_step},
+        "DP (our DDP)": {"net": DistributedDataParallel(make_model(cfg), comm), "step": my_step},
         "TP-2": {"net": TensorParallelDecoderLM.from_dense(make_model(cfg), comm), "step": tp_step},
     }
     for name, fn in (("PP GPipe", pp.gpipe), ("PP 1F1B", pp.one_f_one_b)):
@@ -366,6 +399,17 @@ def _dp_tp_pp_worker(comm, bench: ModelParallelBench) -> dict:
         }  # fmt: skip
     for state in variants.values():
         state["opt"] = _adamw(state["net"].parameters(), cfg)
+    for stage in (1, 2):
+        model = make_model(cfg)
+        opt = zero.ZeroOptimizer(
+            model.parameters(), comm, stage=stage, optimizer=torch.optim.AdamW,
+            lr=cfg["lr"], weight_decay=cfg["weight_decay"],
+        )  # fmt: skip
+        variants[f"ZeRO-{stage}"] = {"net": model, "opt": opt, "step": my_step, "sharded": True}
+    sharded = zero.FullyShardedModule(make_model(cfg), comm, prefetch=True)
+    opt = _adamw(sharded.parameters(), cfg)
+    variants["ZeRO-3"] = {"net": sharded, "opt": opt, "step": my_step, "sharded": True}
+    for state in variants.values():
         state["times"] = []
     for step, ids in enumerate(data):
         for name, state in variants.items():
@@ -377,7 +421,8 @@ def _dp_tp_pp_worker(comm, bench: ModelParallelBench) -> dict:
             state["opt"].step()
             elapsed = time.perf_counter() - t0
             state["bytes_sent"] = comm.stats.bytes_sent
-            state["held"] = _held(state["net"].parameters(), state["opt"])
+            if not state.get("sharded"):
+                state["held"] = _held(state["net"].parameters(), state["opt"])
             state["opt"].zero_grad()
             if step >= bench.warmup:
                 state["times"].append(elapsed)
@@ -385,27 +430,30 @@ def _dp_tp_pp_worker(comm, bench: ModelParallelBench) -> dict:
                 state["collectives"] = tp.count_collectives(comm)
     out = {}
     for name, state in variants.items():
-        row = {k: state[k] for k in ("times", "bytes_sent", "held", "loss")}
-        row["param_bytes"] = memory.tensor_bytes(list(state["net"].parameters()))
+        row = {k: state[k] for k in ("times", "bytes_sent", "loss") if k in state}
+        row["held"] = state.get("held")
         if "collectives" in state:
             row["collectives"] = state["collectives"]
         if "result" in state:
-            res = state["result"]
-            row["peak_in_flight"] = res.peak_in_flight
-            row["pipeline"] = res
+            row["peak_in_flight"] = state["result"].peak_in_flight
+            row["pipeline"] = state["result"]
+        if name == "ZeRO-3":
+            row["padded_numel"] = state["net"].padded_numel
+        elif name.startswith("ZeRO"):
+            row["padded_numel"] = state["opt"].padded_numel
         out[name] = row
     return out
 
 
 def _zero_launches(bench: ModelParallelBench) -> dict:
-    """ZeRO-1/2/3 (one launch each, pipe transport: RSS peaks of their own) and ours vs FSDP2
-    (one launch on gloo, ours stage 3 then FSDP2)."""
+    """Memory of ZeRO-1/2/3 (one launch each, pipe transport, 3 steps: RSS peaks of their own)
+    and ours vs FSDP2 (one launch on gloo, ours stage 3 then FSDP2, every step)."""
     import minidist as md
 
     rows = {}
     for stage in (1, 2, 3):
-        cfg = bench.run_config(stage=stage)
-        print(f"ZeRO-{stage} ...", flush=True)
+        cfg = bench.run_config(stage=stage, steps=3)  # the peak over steps 2 and 3
+        print(f"ZeRO-{stage} alone (memory) ...", flush=True)
         rows[f"ZeRO-{stage}"] = md.launch(
             train_zero, bench.world_size, args=(cfg,), transport="pipe", timeout=300
         )
@@ -437,10 +485,11 @@ def run(bench: ModelParallelBench, out: str | None = None) -> dict:
     mcfg = model_config(cfg)
     load_before = os.getloadavg()
     print(
-        f"DP, TP-2, PP GPipe, PP 1F1B interleaved in one launch ({bench.warmup + bench.steps} steps) ...",
+        f"DP, TP-2, PP GPipe, PP 1F1B, ZeRO-1/2/3 interleaved in one launch "
+        f"({bench.warmup + bench.steps} steps each) ...",
         flush=True,
     )
-    par = md.launch(_dp_tp_pp_worker, p, args=(bench,), transport="pipe", timeout=600)
+    par = md.launch(_interleaved_worker, p, args=(bench,), transport="pipe", timeout=600)
     zero_runs = _zero_launches(bench)
     bubbles = {}
     for name, fn in (("GPipe", pp.gpipe), ("1F1B", pp.one_f_one_b)):
@@ -460,6 +509,8 @@ def run(bench: ModelParallelBench, out: str | None = None) -> dict:
         "PP GPipe": pp_traffic_formula(mcfg, global_batch, bench.seq, m),
         "PP 1F1B": pp_traffic_formula(mcfg, global_batch, bench.seq, m),
     }
+    for stage in (1, 2, 3):
+        formulas[f"ZeRO-{stage}"] = zero.traffic_formula(stage, par[0][f"ZeRO-{stage}"]["padded_numel"], p, 4)
     rows: dict[str, dict] = {}
     for name in formulas:
         per_rank = [r[name] for r in par]
@@ -469,7 +520,7 @@ def run(bench: ModelParallelBench, out: str | None = None) -> dict:
             "bytes_sent": [r["bytes_sent"] for r in per_rank],
             "formula": formulas[name],
             "loss": statistics.fmean(r["loss"] for r in per_rank if r["loss"] is not None),
-            "held": [r["held"] for r in per_rank],
+            "held": [r["held"] for r in per_rank] if per_rank[0]["held"] else None,
         }
     tp_counts = par[0]["TP-2"]["collectives"]
     tp_want = tp_traffic_formula(mcfg, global_batch, bench.seq, p)
@@ -480,16 +531,12 @@ def run(bench: ModelParallelBench, out: str | None = None) -> dict:
         rows[name]["peak_in_flight"] = [r[name]["peak_in_flight"] for r in par]
         rows[name]["peak_in_flight_schedule"] = pp.peak_in_flight(fn(p, m))
         rows[name]["bubble_measured"] = tl.bubble_fraction
-    for stage in (1, 2, 3):
+    for stage in (1, 2, 3):  # memory from the run alone
         outs = zero_runs[f"ZeRO-{stage}"]
-        rows[f"ZeRO-{stage}"] = {
-            "step_s": max(o["step_s"] for o in outs),
-            "bytes_sent": [o["bytes_sent"] for o in outs],
-            "formula": zero.traffic_formula(stage, outs[0]["padded_numel"], p, 4),
-            "loss": statistics.fmean(o["loss"] for o in outs),
-            "held": [sum(o["held"][k] for k in ("params", "grads", "optimizer")) for o in outs],
-            "peak_rss_growth": [o["peak_rss_growth"] for o in outs],
-        }
+        rows[f"ZeRO-{stage}"]["held"] = [
+            sum(o["held"][k] for k in ("params", "grads", "optimizer")) for o in outs
+        ]
+        rows[f"ZeRO-{stage}"]["peak_rss_growth"] = [o["peak_rss_growth"] for o in outs]
     if "FSDP2" in zero_runs:
         outs = zero_runs["FSDP2"]
         rows["ZeRO-3 (gloo)"] = {
@@ -521,8 +568,9 @@ def run(bench: ModelParallelBench, out: str | None = None) -> dict:
     title = (
         f"decoder vocab {bench.vocab}, d {bench.hidden}, {bench.layers} layers, {bench.heads} heads, "
         f"seq {bench.seq}; {p} ranks, global batch {global_batch} per step; median of {bench.steps} "
-        f"steps after {bench.warmup}, slowest rank; x DP = step time / the DP row's (DP, TP, PP: one "
-        "launch, steps interleaved; ZeRO rows: their own launches); MiB sent = payload bytes per rank "
+        f"steps after {bench.warmup}, slowest rank; x DP = step time / the DP row's (rows down to ZeRO-3: "
+        "one launch, steps interleaved; the two gloo rows: their own launch, compare them with each "
+        "other); MiB sent = payload bytes per rank "
         "per step (the more of the two ranks); loss = last step's, mean of ranks (all rows train the same)"
     )
     print()
