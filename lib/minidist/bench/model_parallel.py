@@ -22,12 +22,14 @@ last-step losses printed agree and the step times compare "one global batch" eac
 
 The rows down to ZeRO-3 run in ONE launch, interleaved (one step of each per round, a barrier
 before each step) so that load drifting on a shared machine slows them alike; for their memory
-the ZeRO stages run again alone (:func:`train_zero`, 3 steps: a peak RSS of their own). A second table puts the model states each
-rank holds after the step (parameters + gradients + AdamW state, ``memory.tensor_bytes``) next to
-``memory.estimate(precision="fp32", dp/tp/pp, zero_stage, stage=rank)``, and the peak RSS growth
-of the ZeRO/FSDP2 steps next to the calculator's activations. A third measures the pipeline
-bubble with sleep-timed stages (``pipeline.measure_bubble``: sleeping takes no CPU, so 2 busy
-cores still show the schedule) against ``(p - 1) / (m + p - 1)``. Results: bench-results/model_parallel.json.
+the ZeRO stages run again alone (:func:`train_zero`, 3 steps: a peak RSS of their own).
+
+A second table puts the model states each rank holds after the step (parameters + gradients +
+AdamW state, ``memory.tensor_bytes``) next to ``memory.estimate(precision="fp32", dp/tp/pp,
+zero_stage, stage=rank)``, and the peak RSS growth of the ZeRO/FSDP2 steps next to the
+calculator's activations. A third measures the pipeline bubble with sleep-timed stages
+(``pipeline.measure_bubble``: sleeping takes no CPU, so 2 busy cores still show the schedule)
+against ``(p - 1) / (m + p - 1)``. Results: bench-results/model_parallel.json.
 
 This module also holds the **run functions** that the ZeRO tests, notebook 08 and this bench
 share. A run is a plain dict (:func:`config`) so that the single-process :func:`reference` and
