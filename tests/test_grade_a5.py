@@ -261,6 +261,14 @@ def test_the_solution_is_not_flagged_as_similar_to_the_library():
         assert match.function not in grading.GIVEN_FUNCTIONS
 
 
+def test_given_functions_name_functions_of_the_solution():
+    # similarity skips functions by the names it gives them (``Class.method`` for methods)
+    names = set()
+    for name in grading.STUDENT_FILES:
+        names |= set(similarity.functions((ROOT / "solutions/a5_model_parallel" / name).read_text()))
+    assert set(grading.GIVEN_FUNCTIONS) <= names, set(grading.GIVEN_FUNCTIONS) - names
+
+
 # --- intake and run time ---------------------------------------------------------------------------
 def test_the_intake_check_accepts_the_solution_and_refuses_the_library():
     rules = grading.FORBIDDEN
