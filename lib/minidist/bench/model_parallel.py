@@ -286,7 +286,7 @@ class ModelParallelBench:
     heads: int = 4
     seq: int = 64
     batch: int = 4
-    steps: int = 5
+    steps: int = 10
     warmup: int = 1
     microbatches: int = 4
     bubble_microbatches: tuple[int, ...] = (2, 8)
@@ -447,6 +447,13 @@ def _interleaved_worker(comm, bench: ModelParallelBench) -> dict:
     return out
 
 
+def _one_thread(comm, fn, cfg: dict):
+    """``fn(comm, cfg)`` with one torch thread per rank, as in the interleaved launch (2 ranks on
+    2 cores: more threads would only fight over the cores)."""
+    torch.set_num_threads(1)
+    return fn(comm, cfg)
+
+
 def _zero_launches(bench: ModelParallelBench) -> dict:
     """Memory of ZeRO-1/2/3 (one launch each, pipe transport, 3 steps: RSS peaks of their own)
     and ours vs FSDP2 (one launch on gloo, ours stage 3 then FSDP2, every step)."""
@@ -457,12 +464,16 @@ def _zero_launches(bench: ModelParallelBench) -> dict:
         cfg = bench.run_config(stage=stage, steps=3)  # the peak over steps 2 and 3
         print(f"ZeRO-{stage} alone (memory) ...", flush=True)
         rows[f"ZeRO-{stage}"] = md.launch(
-            train_zero, bench.world_size, args=(cfg,), transport="pipe", timeout=300
+            _one_thread, bench.world_size, args=(train_zero, cfg), transport="pipe", timeout=300
         )
     if bench.fsdp2:
         print("ours (ZeRO-3) and torch FSDP2 on gloo ...", flush=True)
         rows["FSDP2"] = md.launch(
-            compare_with_fsdp2, bench.world_size, args=(bench.run_config(),), transport="torch", timeout=300
+            _one_thread,
+            bench.world_size,
+            args=(compare_with_fsdp2, bench.run_config()),
+            transport="torch",
+            timeout=300,
         )
     return rows
 
