@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
+from torch.nn import functional as F  # noqa: F401  (your layers call F.linear and F.gelu)
 
 import minidist as md
 
