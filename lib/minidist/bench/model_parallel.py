@@ -45,6 +45,7 @@ every rank build the same model (same seed) and read the same data (rank r takes
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import math
 import os
@@ -148,8 +149,10 @@ def train_zero(comm, cfg: dict) -> dict:
     * ``padded_numel`` (the flat count the shards are cut from) and ``numel`` (the model's);
     * ``step_s``: median step seconds, the first (warm-up) step left out;
     * ``peak_gathered_units``: stage 3 only, most units gathered at once (2 with prefetch);
-    * ``peak_rss_growth``: peak RSS over the steps after the first, above the RSS after it;
+    * ``peak_rss_growth``: peak RSS over the steps after the first, above the RSS after it
+      (with :func:`fixed_mmap_threshold`, so that it is the peak of the step's live tensors);
     * ``loss``: this rank's loss in the last step (mean over its rows)."""
+    fixed_mmap_threshold()
     model = make_model(cfg)
     stage = cfg["stage"]
     if stage in (1, 2):
@@ -198,13 +201,11 @@ def train_zero(comm, cfg: dict) -> dict:
     }
 
 
-def train_fsdp2(comm, cfg: dict) -> dict:
-    """Rank body: torch's FSDP2 (``fully_shard``) on the same model and data; needs
-    ``transport="torch"`` (a gloo process group).
+def fsdp2_model(cfg: dict) -> DecoderLM:
+    """:func:`make_model` wrapped by torch's FSDP2 (``fully_shard``; needs a process group).
 
     Each block and the final norm are their own group; the root group holds the embeddings
-    (the word table is tied to the output, which the root's forward uses). Returns ``state``,
-    ``step_s``, ``peak_rss_growth`` and ``loss`` measured as in :func:`train_zero`."""
+    (the word table is tied to the output, which the root's forward uses)."""
     from torch.distributed.fsdp import fully_shard
 
     model = make_model(cfg)
@@ -212,6 +213,15 @@ def train_fsdp2(comm, cfg: dict) -> dict:
         fully_shard(block)
     fully_shard(model.transformer.final_norm)
     fully_shard(model)
+    return model
+
+
+def train_fsdp2(comm, cfg: dict) -> dict:
+    """Rank body: torch's FSDP2 (:func:`fsdp2_model`) on the same model and data; needs
+    ``transport="torch"`` (a gloo process group). Returns ``state``,
+    ``step_s``, ``peak_rss_growth`` and ``loss`` measured as in :func:`train_zero`."""
+    fixed_mmap_threshold()
+    model = fsdp2_model(cfg)
     opt = _adamw(model.parameters(), cfg)
     times = []
     for ids in make_data(cfg):
@@ -232,6 +242,22 @@ def train_fsdp2(comm, cfg: dict) -> dict:
         "peak_rss_growth": peak,
         "loss": float(loss.detach()),
     }
+
+
+def fixed_mmap_threshold(threshold: int = 64 << 10) -> bool:
+    """Make this process's peak RSS follow its live tensors (glibc only; False elsewhere).
+
+    glibc serves big blocks with mmap, but raises that threshold each time such a block is freed;
+    from then on freed memory is reused from the heap and a step's RSS peak depends on history
+    (two ranks doing the same work measured 32 and 94 MiB). ``mallopt(M_MMAP_THRESHOLD, 64 KiB)``
+    fixes the threshold: every block over 64 KiB is an mmap returned to the system when freed, so
+    ``memory.peak_rss_bytes`` above the RSS between steps is the step's peak of live tensors
+    (the two ranks then agree to the 0.1 MiB). Call it first thing in a rank."""
+    m_mmap_threshold = -3  # from malloc.h
+    try:
+        return bool(ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, threshold))
+    except (OSError, AttributeError):
+        return False
 
 
 def _start_peak() -> int:
@@ -366,6 +392,7 @@ def _interleaved_worker(comm, bench: ModelParallelBench) -> dict:
     from minidist.parallel.ddp import DistributedDataParallel
 
     torch.set_num_threads(1)
+    fixed_mmap_threshold()
     cfg = bench.run_config()
     rank, world, m = comm.rank, comm.world_size, bench.microbatches
     data = make_data(cfg)
@@ -454,9 +481,39 @@ def _one_thread(comm, fn, cfg: dict):
     return fn(comm, cfg)
 
 
+def _zero3_vs_fsdp2_worker(comm, bench: ModelParallelBench) -> dict:
+    """Ours (ZeRO-3) and FSDP2 on gloo in one launch, interleaved step by step (for step times;
+    their memory comes from :func:`compare_with_fsdp2`, where each runs on its own)."""
+    torch.set_num_threads(1)
+    fixed_mmap_threshold()
+    cfg = bench.run_config()
+    ours = zero.FullyShardedModule(make_model(cfg), comm, prefetch=True)
+    theirs = fsdp2_model(cfg)
+    variants = {
+        "ZeRO-3 (gloo)": (ours, _adamw(ours.parameters(), cfg)),
+        "FSDP2 (torch, gloo)": (theirs, _adamw(theirs.parameters(), cfg)),
+    }
+    out = {name: {"times": []} for name in variants}
+    for step, ids in enumerate(make_data(cfg)):
+        mine = my_rows(ids, comm.rank, cfg)
+        for name, (net, opt) in variants.items():
+            comm.barrier()
+            t0 = time.perf_counter()
+            loss = net(mine, labels=mine).loss
+            loss.backward()
+            opt.step()
+            elapsed = time.perf_counter() - t0
+            opt.zero_grad()
+            out[name]["loss"] = float(loss.detach())
+            if step >= bench.warmup:
+                out[name]["times"].append(elapsed)
+    return out
+
+
 def _zero_launches(bench: ModelParallelBench) -> dict:
-    """Memory of ZeRO-1/2/3 (one launch each, pipe transport, 3 steps: RSS peaks of their own)
-    and ours vs FSDP2 (one launch on gloo, ours stage 3 then FSDP2, every step)."""
+    """Memory of ZeRO-1/2/3 (one launch each, pipe transport, 3 steps: RSS peaks of their own),
+    of ours vs FSDP2 (one launch on gloo, ours stage 3 then FSDP2, 3 steps each), and the step
+    times of ours vs FSDP2 (one launch on gloo, interleaved)."""
     import minidist as md
 
     rows = {}
@@ -467,20 +524,47 @@ def _zero_launches(bench: ModelParallelBench) -> dict:
             _one_thread, bench.world_size, args=(train_zero, cfg), transport="pipe", timeout=300
         )
     if bench.fsdp2:
-        print("ours (ZeRO-3) and torch FSDP2 on gloo ...", flush=True)
+        print("ours (ZeRO-3) then torch FSDP2 on gloo (memory) ...", flush=True)
         rows["FSDP2"] = md.launch(
             _one_thread,
             bench.world_size,
-            args=(compare_with_fsdp2, bench.run_config()),
+            args=(compare_with_fsdp2, bench.run_config(steps=3)),
             transport="torch",
             timeout=300,
+        )
+        print("ours (ZeRO-3) and torch FSDP2 on gloo, interleaved (step times) ...", flush=True)
+        rows["FSDP2 interleaved"] = md.launch(
+            _zero3_vs_fsdp2_worker, bench.world_size, args=(bench,), transport="torch", timeout=600
         )
     return rows
 
 
+def _measure(bench: ModelParallelBench):
+    """The launches: interleaved rows, ZeRO memory and FSDP2, sleep-timed bubbles."""
+    import minidist as md
+    from minidist.parallel import pipeline as pp
+
+    p = bench.world_size
+    print(
+        f"DP, TP-2, PP GPipe, PP 1F1B, ZeRO-1/2/3 interleaved in one launch "
+        f"({bench.warmup + bench.steps} steps each) ...",
+        flush=True,
+    )
+    par = md.launch(_interleaved_worker, p, args=(bench,), transport="pipe", timeout=600)
+    zero_runs = _zero_launches(bench)
+    bubbles = {}
+    for name, fn in (("GPipe", pp.gpipe), ("1F1B", pp.one_f_one_b)):
+        for mb in bench.bubble_microbatches:
+            print(f"bubble {name} m={mb} (sleep-timed stages) ...", flush=True)
+            res = pp.measure_bubble(
+                p, mb, fn, bench.t_forward, bench.t_backward, transport="pipe", timeout=120
+            )
+            bubbles[(name, mb)] = {k: res[k] for k in ("measured", "formula", "simulated", "wall_s")}
+    return par, zero_runs, bubbles
+
+
 def run(bench: ModelParallelBench, out: str | None = None) -> dict:
     """Run every variant, print three tables (time and traffic, memory, bubble), save JSON."""
-    import minidist as md
     from minidist.parallel import pipeline as pp
 
     from ._util import out_dir, print_table, save_json
@@ -497,21 +581,7 @@ def run(bench: ModelParallelBench, out: str | None = None) -> dict:
     cfg = bench.run_config()
     mcfg = model_config(cfg)
     load_before = os.getloadavg()
-    print(
-        f"DP, TP-2, PP GPipe, PP 1F1B, ZeRO-1/2/3 interleaved in one launch "
-        f"({bench.warmup + bench.steps} steps each) ...",
-        flush=True,
-    )
-    par = md.launch(_interleaved_worker, p, args=(bench,), transport="pipe", timeout=600)
-    zero_runs = _zero_launches(bench)
-    bubbles = {}
-    for name, fn in (("GPipe", pp.gpipe), ("1F1B", pp.one_f_one_b)):
-        for mb in bench.bubble_microbatches:
-            print(f"bubble {name} m={mb} (sleep-timed stages) ...", flush=True)
-            res = pp.measure_bubble(
-                p, mb, fn, bench.t_forward, bench.t_backward, transport="pipe", timeout=120
-            )
-            bubbles[(name, mb)] = {k: res[k] for k in ("measured", "formula", "simulated", "wall_s")}
+    par, zero_runs, bubbles = _measure(bench)
     load_after = os.getloadavg()
 
     # ---- time and traffic ---------------------------------------------------------------------
@@ -552,19 +622,19 @@ def run(bench: ModelParallelBench, out: str | None = None) -> dict:
         rows[f"ZeRO-{stage}"]["peak_rss_growth"] = [o["peak_rss_growth"] for o in outs]
     if "FSDP2" in zero_runs:
         outs = zero_runs["FSDP2"]
-        rows["ZeRO-3 (gloo)"] = {
-            "step_s": max(o["ours_step_s"] for o in outs),
-            "bytes_sent": [o["ours_bytes_sent"] for o in outs],
-            "formula": zero.traffic_formula(3, outs[0]["padded_numel"], p, 4),
-            "loss": statistics.fmean(o["ours_loss"] for o in outs),
-            "held": [sum(o["ours_held"][k] for k in ("params", "grads", "optimizer")) for o in outs],
-            "peak_rss_growth": [o["ours_peak_rss_growth"] for o in outs],
-        }
-        rows["FSDP2 (torch, gloo)"] = {
-            "step_s": max(o["fsdp2_step_s"] for o in outs),
-            "loss": statistics.fmean(o["fsdp2_loss"] for o in outs),
-            "peak_rss_growth": [o["fsdp2_peak_rss_growth"] for o in outs],
-        }
+        timed = zero_runs["FSDP2 interleaved"]
+        for name in ("ZeRO-3 (gloo)", "FSDP2 (torch, gloo)"):
+            rows[name] = {
+                "step_s": statistics.median(max(ts) for ts in zip(*(r[name]["times"] for r in timed))),
+                "loss": statistics.fmean(r[name]["loss"] for r in timed),
+            }
+        rows["ZeRO-3 (gloo)"].update(
+            bytes_sent=[o["ours_bytes_sent"] for o in outs],
+            formula=zero.traffic_formula(3, outs[0]["padded_numel"], p, 4),
+            held=[sum(o["ours_held"][k] for k in ("params", "grads", "optimizer")) for o in outs],
+            peak_rss_growth=[o["ours_peak_rss_growth"] for o in outs],
+        )
+        rows["FSDP2 (torch, gloo)"]["peak_rss_growth"] = [o["fsdp2_peak_rss_growth"] for o in outs]
     dp_step = rows["DP (our DDP)"]["step_s"]
     mib = 1 / (1 << 20)
     table = []
@@ -582,8 +652,8 @@ def run(bench: ModelParallelBench, out: str | None = None) -> dict:
         f"decoder vocab {bench.vocab}, d {bench.hidden}, {bench.layers} layers, {bench.heads} heads, "
         f"seq {bench.seq}; {p} ranks, global batch {global_batch} per step; median of {bench.steps} "
         f"steps after {bench.warmup}, slowest rank; x DP = step time / the DP row's (rows down to ZeRO-3: "
-        "one launch, steps interleaved; the two gloo rows: their own launch, compare them with each "
-        "other); MiB sent = payload bytes per rank "
+        "one launch, steps interleaved; the two gloo rows: their own launch, interleaved with each "
+        "other: compare them with each other); MiB sent = payload bytes per rank "
         "per step (the more of the two ranks); loss = last step's, mean of ranks (all rows train the same)"
     )
     print()
@@ -652,7 +722,7 @@ def run(bench: ModelParallelBench, out: str | None = None) -> dict:
     if "FSDP2 (torch, gloo)" in rows:
         ours, theirs = rows["ZeRO-3 (gloo)"], rows["FSDP2 (torch, gloo)"]
         print(
-            f"ours ZeRO-3 / FSDP2 (same launch, gloo): step time {ours['step_s'] / theirs['step_s']:.2f}x, "
+            f"ours ZeRO-3 / FSDP2 (gloo, interleaved): step time {ours['step_s'] / theirs['step_s']:.2f}x, "
             f"peak RSS growth {max(ours['peak_rss_growth']) / max(theirs['peak_rss_growth']):.2f}x"
         )
 
