@@ -174,6 +174,8 @@ def test_measure_offload(tmp_path):
     assert result["n_params"] == 2 * (64 * 64 + 64)
     assert result["chunks"] == -(-result["n_params"] // (PAGE * 8))
     assert result["ratio"] == result["offload_step_s"] / result["adamw_step_s"]
+    assert 0 < result["offload_best_s"] <= result["offload_step_s"]
+    assert 0 < result["adamw_best_s"] <= result["adamw_step_s"]
     assert not any(tmp_path.iterdir())
 
 
