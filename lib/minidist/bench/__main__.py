@@ -1,4 +1,4 @@
-"""``python -m minidist.bench {p2p,launch,collectives,glove,ddp,...,model_parallel}`` -- see each module's docstring."""
+"""``python -m minidist.bench {p2p,launch,collectives,glove,ddp,...,model_parallel}``: see each module."""
 
 from __future__ import annotations
 

@@ -252,7 +252,7 @@ def fixed_mmap_threshold(threshold: int = 64 << 10) -> bool:
     (two ranks doing the same work measured 32 and 94 MiB). ``mallopt(M_MMAP_THRESHOLD, 64 KiB)``
     fixes the threshold: every block over 64 KiB is an mmap returned to the system when freed, so
     ``memory.peak_rss_bytes`` above the RSS between steps is the step's peak of live tensors
-    (the two ranks then agree to the 0.1 MiB). Call it first thing in a rank."""
+    (the two ranks then agree to about 1 MiB). Call it first thing in a rank."""
     m_mmap_threshold = -3  # from malloc.h
     try:
         return bool(ctypes.CDLL("libc.so.6").mallopt(m_mmap_threshold, threshold))
