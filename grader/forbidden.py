@@ -15,7 +15,10 @@ tree -- it never runs it -- and returns the first ``Refusal`` (line, what, why) 
 * the builtins that run or look up code dynamically (``exec``, ``eval``, ``compile``,
   ``__import__``, ``globals``, ``vars``, ``open``, ``breakpoint``), dunder attributes other
   than ``__name__``/``__doc__``/``__init__`` (``f.__globals__``, ``x.__class__``) and
-  ``sys.modules``/``sys._getframe`` and friends;
+  ``sys.modules``/``sys._getframe``/``sys.path``/``sys.exc_info`` and friends;
+* the names that lead from an object to a running frame and its variables (``tb_frame``,
+  ``f_back``, ``f_locals``, ``gi_frame``, ...) on any object, the ``traceback`` module, and the
+  keyword ``dir_fd`` (a file opened relative to a directory descriptor hides its path);
 * attribute names computed at run time (``getattr(x, name)``, ``setattr``, ``delattr``), private
   attributes of objects that are not the submission's own (``self`` is its own only as the
   first parameter of a method of its own class, never reassigned), and the communicator
@@ -54,6 +57,7 @@ TOOL_MODULES = (
     "pkgutil",
     "zipimport",
     "types",
+    "traceback",  # walk_stack / extract_stack reach the grader's frames
     # the grader's own sandbox-side modules: the guard, the communicator wrapper, the workers
     "guard",
     "student_comm",
@@ -70,14 +74,40 @@ SYS_ATTRIBUTES = (
     "settrace",
     "setprofile",
     "addaudithook",
+    "path",  # a folder of one's own to import from
+    "exc_info",  # a traceback, and through it the grader's frames
+    "exception",
+    "last_traceback",
+    "last_exc",
+    "last_value",
 )
+#: attributes that reach a running frame (and the grader's variables in it), on any object
+FRAME_ATTRIBUTES = (
+    "f_back",
+    "f_globals",
+    "f_locals",
+    "f_builtins",
+    "f_code",
+    "f_trace",
+    "tb_frame",
+    "tb_next",
+    "gi_frame",
+    "cr_frame",
+    "ag_frame",
+    "gi_code",
+    "cr_code",
+    "ag_code",
+)
+#: keywords (and strings naming them) that a submission has no use for: ``os.open(name,
+#: dir_fd=fd)`` names a file relative to a directory descriptor, out of the file guard's sight
+REFUSED_KEYWORDS = ("dir_fd", "src_dir_fd", "dst_dir_fd")
 ALLOWED_DUNDERS = ("__name__", "__doc__", "__init__")
 #: names used as public despite the underscore: os._exit, and autograd's engine, whose
 #: queue_callback is the only way to run code when backward ends (a3's given helper)
 PUBLIC_PRIVATE = ("os._exit", "torch.autograd.Variable._execution_engine")
 #: the communicator wrapper's internals (student_comm.StudentComm): refused on any receiver, ``self``
 #: included -- ``Helper.method(comm)`` makes ``self`` the wrapper, whatever the parameter is called
-WRAPPER_PRIVATE = ("_comm", "_traffic")
+WRAPPER_PRIVATE = ("_comm", "_traffic", "_sent")
 ATTRIBUTE_BUILTINS = ("getattr", "setattr", "delattr")
 _ALREADY = "already does what this assignment asks you to write"
 
@@ -202,6 +232,8 @@ class _Checker:
             self.refuse(node, ast.unparse(node), f"{attr} reaches the interpreter's internals")
         elif attr in WRAPPER_PRIVATE:
             self.refuse(node, ast.unparse(node), "the grader's communicator wrapper is not yours to open")
+        elif attr in FRAME_ATTRIBUTES:
+            self.refuse(node, ast.unparse(node), "it reaches a running frame and the grader's variables")
         elif (
             attr.startswith("_")
             and id(node.value) not in self.own
@@ -240,6 +272,9 @@ class _Checker:
         return None
 
     def call(self, node: ast.Call) -> None:
+        for keyword in node.keywords:
+            if keyword.arg in REFUSED_KEYWORDS:
+                self.refuse(node, f"{keyword.arg}=", "a file named relative to a directory descriptor")
         if (
             isinstance(node.func, ast.Name)
             and node.func.id in ("setattr", "delattr")
@@ -256,7 +291,10 @@ class _Checker:
             self.refuse(node, ast.unparse(node)[:80], "an attribute whose name is computed at run time")
             return
         name = node.args[1].value
-        if (name.startswith("_") and name not in ALLOWED_DUNDERS) or name in WRAPPER_PRIVATE:
+        if (name.startswith("_") and name not in ALLOWED_DUNDERS) or name in (
+            *WRAPPER_PRIVATE,
+            *FRAME_ATTRIBUTES,
+        ):
             self.refuse(node, ast.unparse(node)[:80], "a private attribute of an object that is not yours")
         if node.func.id == "getattr":
             self._check_reference(node)
@@ -275,6 +313,9 @@ class _Checker:
             self.refuse(node, node.id, f"{hit} {_ALREADY}")
 
     def constant(self, node: ast.Constant) -> None:
+        if isinstance(node.value, str) and node.value in (*REFUSED_KEYWORDS, *FRAME_ATTRIBUTES):
+            self.refuse(node, repr(node.value), "it names what a submission may not reach")
+            return
         if isinstance(node.value, str):
             for name in (*self.rules.modules, *self.rules.names):
                 if name in node.value:

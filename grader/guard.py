@@ -13,8 +13,17 @@ Three locks, because a name can be reached in many ways (``md.allreduce``, an al
    whatever name, alias or lookup leads there -- ends in the refusal.
 2. **imports.** A finder first on ``sys.meta_path`` refuses a forbidden module that is not
    loaded yet (or was removed from ``sys.modules`` to be loaded afresh).
-3. **the source files.** An audit hook refuses to ``open`` the library's source files of the
-   forbidden modules (to copy their code and ``exec`` it), and to ``exec`` code compiled from them.
+3. **the source files.** An audit hook refuses to ``open`` (or hard-link) the library's source
+   files of the forbidden modules (to copy their code and ``exec`` it), also by a relative name
+   (which ``os.open(..., dir_fd=...)`` resolves against a directory the hook cannot see: a
+   relative name ending in a guarded file's name is refused), and to ``exec`` code compiled
+   from them.
+4. **copies.** A second finder refuses to import a module whose file lies outside the standard
+   library, the installed packages, the folder of the guarded library, and the files that were
+   on ``sys.path`` when the guard was installed (the sandbox's: the grader's modules and the
+   submission's) -- a copy of the library written at run time, anywhere, is not imported.
+   With ``REFUSE_PROCESSES`` in the rules, the hook also refuses to start a process (a child
+   reads files the hook does not see).
 
 The refusal's message starts with ``MARKER``; the grader recognises it in a worker's error
 and gives the submission the status ``forbidden``. What this cannot stop (code in the same
@@ -25,13 +34,28 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
+import importlib.machinery
 import os
 import sys
+import sysconfig
 import types
 
 MARKER = "forbidden by the grader:"
 _installed: set[str] = set()
 _guarded_files: set[str] = set()
+_guarded_names: set[str] = set()  # their base names (a relative open may be dir_fd-relative)
+_refuse_processes: list[bool] = [False]
+#: audit events that start a process (subprocess, os.system, fork, exec, spawn)
+_PROCESS_EVENTS = (
+    "subprocess.Popen",
+    "os.system",
+    "os.fork",
+    "os.forkpty",
+    "os.exec",
+    "os.posix_spawn",
+    "os.spawn",
+    "pty.spawn",
+)
 
 
 def refusal_message(name: str, instead: str) -> str:
@@ -121,14 +145,83 @@ class _RefuseImports(importlib.abc.MetaPathFinder):
         return None
 
 
+class _OnlyKnownFiles(importlib.abc.MetaPathFinder):
+    """Refuses a module found on ``sys.path`` whose file is neither under ``roots`` nor one of
+    ``files`` (the files present when the guard was installed): a copy written at run time."""
+
+    def __init__(self, roots: tuple[str, ...], files: set[str], instead: str) -> None:
+        self.roots, self.files, self.instead = roots, files, instead
+
+    def find_spec(self, fullname, path, target=None):
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        origin = getattr(spec, "origin", None)
+        if spec is None or not spec.has_location or not origin or origin in ("built-in", "frozen"):
+            return None
+        real = os.path.realpath(origin)
+        if real.startswith(self.roots) or real in self.files:
+            return None
+        raise ImportError(
+            f"{MARKER} importing {fullname} from {origin}, a file written while the tests ran (a "
+            f"copy of the library's code?). Write it yourself with {self.instead}.",
+            name=fullname,
+        )
+
+
+def _library_roots(modules: tuple[str, ...]) -> tuple[str, ...]:
+    """The standard library, the installed packages, and the folder holding each guarded package."""
+    paths = sysconfig.get_paths()
+    roots = {paths[key] for key in ("stdlib", "platstdlib", "purelib", "platlib") if key in paths}
+    for name in {m.split(".")[0] for m in modules}:
+        module = sys.modules.get(name)
+        for folder in getattr(module, "__path__", []) or []:
+            roots.add(os.path.dirname(folder))
+    return tuple(os.path.realpath(root) + os.sep for root in sorted(roots))
+
+
+def _present_files(roots: tuple[str, ...]) -> set[str]:
+    """The module files on ``sys.path`` now, outside ``roots``: each entry's ``.py`` files and
+    the files of its packages (folders with an ``__init__.py``), recursively."""
+    found: set[str] = set()
+    for entry in sys.path:
+        folder = os.path.realpath(entry or os.getcwd())
+        if not os.path.isdir(folder) or (folder + os.sep).startswith(roots):
+            continue
+        for name in os.listdir(folder):
+            full = os.path.join(folder, name)
+            if name.endswith((".py", ".pyc", ".so")) and os.path.isfile(full):
+                found.add(os.path.realpath(full))
+            elif os.path.isfile(os.path.join(full, "__init__.py")) and not name.startswith("."):
+                for root, dirs, files in os.walk(full):
+                    dirs[:] = [d for d in dirs if not d.startswith(".")]
+                    found.update(os.path.realpath(os.path.join(root, f)) for f in files if f.endswith(".py"))
+    return found
+
+
+def _guarded(raw) -> str | None:
+    """The guarded file that the path ``raw`` (as given to open) may name, or None."""
+    try:
+        name = os.fsdecode(raw)
+    except (TypeError, ValueError):
+        return None
+    path = os.path.realpath(name)
+    if path in _guarded_files:
+        return path
+    if not os.path.isabs(name) and os.path.basename(name) in _guarded_names:
+        return name  # relative: maybe to a directory descriptor (os.open(name, dir_fd=fd))
+    return None
+
+
 def _audit(event: str, args: tuple) -> None:
     if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
-        try:
-            path = os.path.realpath(os.fsdecode(args[0]))
-        except (TypeError, ValueError):
-            return
-        if path in _guarded_files:
+        if path := _guarded(args[0]):
             raise PermissionError(f"{MARKER} reading {path}, the library's code for this assignment's task")
+    elif event == "os.link" and args:
+        if path := _guarded(args[0]):
+            raise PermissionError(f"{MARKER} linking {path}, the library's code for this assignment's task")
+    elif _refuse_processes[0] and event.startswith(_PROCESS_EVENTS):
+        raise PermissionError(
+            f"{MARKER} starting a process ({event}): a submission computes in its own process"
+        )
     elif event == "exec" and args and isinstance(args[0], types.CodeType):
         filename = args[0].co_filename
         if filename.endswith(".py") and os.path.realpath(filename) in _guarded_files:
@@ -149,8 +242,9 @@ def _resolve(dotted: str):
     return value
 
 
-def install(modules: tuple[str, ...], names: tuple[str, ...], instead: str) -> None:
-    """Refuse ``modules`` (every function defined in them, and their submodules) and ``names``.
+def install(modules: tuple[str, ...], names: tuple[str, ...], instead: str, processes: bool = False) -> None:
+    """Refuse ``modules`` (every function defined in them, and their submodules) and ``names``;
+    with ``processes``, starting a process too.
 
     Idempotent. Loads the forbidden modules that exist first, so that their functions can be
     neutered where they live; a package's submodules loaded later are refused by the finder.
@@ -186,7 +280,11 @@ def install(modules: tuple[str, ...], names: tuple[str, ...], instead: str) -> N
             _replace_method(owner, dotted.rpartition(".")[2], dotted, instead)  # a C method
     for name, function in to_neuter:
         _neuter(function, name, instead)
+    _guarded_names.update(os.path.basename(path) for path in _guarded_files)
+    roots = _library_roots(modules)
+    sys.meta_path.insert(0, _OnlyKnownFiles(roots, _present_files(roots), instead))
     sys.meta_path.insert(0, _RefuseImports(modules, instead))
+    _refuse_processes[0] = _refuse_processes[0] or processes
     if not _installed:
         sys.addaudithook(_audit)
     _installed.add(key)
@@ -194,4 +292,9 @@ def install(modules: tuple[str, ...], names: tuple[str, ...], instead: str) -> N
 
 def install_rules(rules) -> None:
     """``install`` with an assignment's ``rules`` module (``FORBIDDEN_MODULES``, ``FORBIDDEN_NAMES``)."""
-    install(tuple(rules.FORBIDDEN_MODULES), tuple(rules.FORBIDDEN_NAMES), rules.ALLOWED_INSTEAD)
+    install(
+        tuple(rules.FORBIDDEN_MODULES),
+        tuple(rules.FORBIDDEN_NAMES),
+        rules.ALLOWED_INSTEAD,
+        bool(getattr(rules, "REFUSE_PROCESSES", False)),
+    )

@@ -174,12 +174,63 @@ def operators_check(what: str, spec: dict):
     return check
 
 
+def _calls(where: str, calls: list[dict], want: list[tuple[str, str, torch.Tensor]], bias_free=()) -> None:
+    """Each collective of ``want`` (phase, function, the tensor it must be handed), in order, among
+    the collectives a rank called: a collective of zeros or of a dense result is not this rank's
+    share. Others besides are tolerated here (the count tests count them). For the phases in
+    ``bias_free``, the tensor may differ from the wanted one by the same vector in every row
+    (a bias added before the sum: the value tests catch that, not this)."""
+    position = 0
+    for phase, function, given in want:
+        error = f"no md.{function} in the {phase}"
+        while position < len(calls):
+            call = calls[position]
+            position += 1
+            if (call["phase"], call["function"]) != (phase, function):
+                continue
+            got = call["given"]
+            if phase in bias_free and torch.is_tensor(got) and tuple(got.shape) == tuple(given.shape):
+                offset = (got.to(given.dtype) - given).reshape(-1, given.shape[-1])
+                got = got.to(given.dtype) - offset[:1].reshape(given.shape[-1])
+            try:
+                _close(f"{where}: the tensor given to md.{function} in the {phase}", got, given)
+            except AssertionError as mismatch:
+                error = str(mismatch)
+                continue
+            break
+        else:
+            raise AssertionError(
+                f"{where}: {error} (it should be this rank's share, computed from its shard)"
+                if error.startswith("no ")
+                else f"{error}; it should be this rank's share, computed from its shard"
+            )
+
+
+def nudged_linear(spec: dict):
+    """The dense weight and bias with every rank's nudge (``workers.nudge``) put in its shard."""
+    p, kind = spec["world_size"], spec["kind"]
+    weight, bias, x, upstream = workers.dense_linear(spec)
+    for r in range(p):
+        if kind == "column":
+            rows = slice(r * spec["d_out"] // p, (r + 1) * spec["d_out"] // p)
+            weight[rows] += workers.nudge(spec, "weight", r, weight[rows].shape)
+            if bias is not None:
+                bias[rows] += workers.nudge(spec, "bias", r, bias[rows].shape)
+        else:
+            cols = slice(r * spec["d_in"] // p, (r + 1) * spec["d_in"] // p)
+            weight[:, cols] += workers.nudge(spec, "weight", r, weight[:, cols].shape)
+    if kind == "row" and bias is not None:
+        bias += workers.nudge(spec, "bias", -1, bias.shape)
+    return weight, bias, x, upstream
+
+
 def linear_check(what: str, spec: dict):
-    """Column- or row-parallel against ``F.linear`` with the dense weight, every shard's gradient."""
+    """Column- or row-parallel against ``F.linear`` with the dense weight (the grader's nudges in
+    every shard), every shard's gradient, and the collectives: which, and what each was given."""
 
     def check(reports: list[dict]) -> None:
         p, kind = spec["world_size"], spec["kind"]
-        weight, bias, x, upstream = workers.dense_linear(spec)
+        weight, bias, x, upstream = nudged_linear(spec)
         weight.requires_grad_()
         if bias is not None:
             bias.requires_grad_()
@@ -196,6 +247,11 @@ def linear_check(what: str, spec: dict):
                 if bias is not None:
                     _close(f"{where}: the bias's gradient", report["bias_grad"], bias.grad[rows])
                 _close(f"{where}: the input's gradient", report["x_grad"], x.grad)
+                w_r = weight.detach()[rows]
+                want = [("backward", "allreduce", upstream[..., rows] @ w_r)]
+                if spec["gather_output"]:
+                    b_r = None if bias is None else bias.detach()[rows]
+                    want.insert(0, ("forward", "allgather", F.linear(x.detach(), w_r, b_r)))
             else:
                 cols = slice(r * spec["d_in"] // p, (r + 1) * spec["d_in"] // p)
                 _close(f"{where}: the output", report["out"], out.detach())
@@ -204,16 +260,47 @@ def linear_check(what: str, spec: dict):
                     _close(f"{where}: the bias's gradient", report["bias_grad"], bias.grad)
                 x_grad = x.grad if not spec["input_is_parallel"] else x.grad[..., cols]
                 _close(f"{where}: the input's gradient", report["x_grad"], x_grad)
+                w_r = weight.detach()[:, cols]
+                want = [("forward", "allreduce", F.linear(x.detach()[..., cols], w_r))]
+                if not spec["input_is_parallel"]:
+                    want.append(("backward", "allgather", upstream @ w_r))
+            _calls(where, report["calls"], want)
 
     return check
 
 
+def nudged_mlp(spec: dict):
+    """The dense MLP with every rank's nudge (``workers.nudge``) put in its shard."""
+    mlp, p, ffn = workers.dense_mlp(spec), spec["world_size"], spec["ffn"]
+    with torch.no_grad():
+        for r in range(p):
+            rows = slice(r * ffn // p, (r + 1) * ffn // p)
+            mlp.up.weight[rows] += workers.nudge(spec, "up.weight", r, mlp.up.weight[rows].shape)
+            mlp.up.bias[rows] += workers.nudge(spec, "up.bias", r, mlp.up.bias[rows].shape)
+            mlp.down.weight[:, rows] += workers.nudge(spec, "down.weight", r, mlp.down.weight[:, rows].shape)
+        mlp.down.bias += workers.nudge(spec, "down.bias", -1, mlp.down.bias.shape)
+    return mlp
+
+
 def dense_mlp_run(spec: dict):
-    mlp = workers.dense_mlp(spec)
+    mlp = nudged_mlp(spec)
     x = workers.mlp_input(spec).requires_grad_()
     out = mlp(x)
     (out * workers.mlp_upstream(spec)).sum().backward()
     return mlp, x, out.detach()
+
+
+def mlp_partials(spec: dict, mlp, r: int):
+    """Rank r's share: its partial output (what its forward allreduce sums) and its partial
+    input gradient (what its backward allreduce sums)."""
+    p, ffn = spec["world_size"], spec["ffn"]
+    rows = slice(r * ffn // p, (r + 1) * ffn // p)
+    x = workers.mlp_input(spec).requires_grad_()
+    with torch.no_grad():
+        wu, bu, wd = mlp.up.weight[rows].clone(), mlp.up.bias[rows].clone(), mlp.down.weight[:, rows].clone()
+    part = F.linear(F.gelu(F.linear(x, wu, bu)), wd)
+    (part * workers.mlp_upstream(spec)).sum().backward()
+    return part.detach(), x.grad
 
 
 def mlp_check(what: str, spec: dict):
@@ -238,17 +325,24 @@ def mlp_check(what: str, spec: dict):
                 )
             for name, want in expected.items():
                 _close(f"{where}: the gradient of {name}", grads[name], want)
+            part, part_grad = mlp_partials(spec, mlp, r)
+            _calls(
+                where, report["calls"], [("forward", "allreduce", part), ("backward", "allreduce", part_grad)]
+            )
 
     return check
 
 
 def mlp_count_check(what: str, spec: dict):
-    """One allreduce forward and one backward per call, of one activation each; nothing else."""
+    """One allreduce forward and one backward per call, of this rank's partial output and
+    partial input gradient; nothing else."""
 
     def check(reports: list[dict]) -> None:
         numel = spec["batch"] * spec["seq"] * spec["d"]
+        mlp = nudged_mlp(spec)
         for r, report in enumerate(reports):
             calls = report["calls"]
+            part, part_grad = mlp_partials(spec, mlp, r)
             for step in range(spec["calls"]):
                 mine = [c for c in calls if c["step"] == step]
                 _counts(
@@ -262,6 +356,12 @@ def mlp_count_check(what: str, spec: dict):
                             f"{what}, rank {r}: an allreduce of {c['numel']} elements; one activation "
                             f"(batch x seq x d) is the only thing to reduce"
                         )
+                _calls(
+                    f"{what}, rank {r}, call {step + 1}",
+                    mine,
+                    [("forward", "allreduce", part), ("backward", "allreduce", part_grad)],
+                    bias_free=("forward",),
+                )
             if any(c["step"] is None for c in calls):
                 raise AssertionError(
                     f"{what}, rank {r}: a collective outside the forward and backward (construction?)"
@@ -326,18 +426,41 @@ def peak_check(what: str, cases: list[list[int]]):
 
 # --- the executor -------------------------------------------------------------------------------
 def one_process(spec: dict):
-    """The mean loss over the microbatches and every stage's gradients, the model in one piece."""
+    """The model in one piece: the mean loss over the microbatches, every stage's gradients, and
+    at every stage boundary the activation and its gradient (of the mean loss) per microbatch:
+    ``boundary[r][j]`` is stage r's output for microbatch j, ``boundary_grad[r][j]`` its gradient."""
     stages = workers.make_stages(spec)
     xs, ys = workers.microbatches(spec)
-    loss = sum(F.cross_entropy(workers.whole(stages, x), y) for x, y in zip(xs, ys)) / len(xs)
+    p, m = spec["world_size"], spec["m"]
+    boundary: list[list[torch.Tensor]] = [[] for _ in range(p - 1)]
+    losses = []
+    for x, y in zip(xs, ys):
+        for r, stage in enumerate(stages):
+            x = stage(x)
+            if r < p - 1:
+                x.retain_grad()
+                boundary[r].append(x)
+        losses.append(F.cross_entropy(x, y))
+    loss = sum(losses) / m
     loss.backward()
-    return float(loss.detach()), [[p.grad for p in stage.parameters()] for stage in stages]
+    grads = [[p.grad for p in stage.parameters()] for stage in stages]
+    activations = [[a.detach() for a in row] for row in boundary]
+    gradients = [[a.grad for a in row] for row in boundary]
+    return float(loss.detach()), grads, activations, gradients
+
+
+def _sent_check(where: str, sent: list, want: list[torch.Tensor], what: str) -> None:
+    """The tensors a rank sent to one peer, in order, against what microbatch j's should be."""
+    if len(sent) != len(want):
+        raise AssertionError(f"{where}: {len(sent)} messages of {what}; one per microbatch")
+    for j, (got, expected) in enumerate(zip(sent, want, strict=True)):
+        _close(f"{where}: the {what} sent for microbatch {j}", got, expected, atol=1e-6, rtol=1e-5)
 
 
 def executor_check(what: str, spec: dict, check_messages: bool = True):
     def check(reports: list[dict]) -> None:
-        p, m = spec["world_size"], spec["m"]
-        loss, grads = one_process(spec)
+        p = spec["world_size"]
+        loss, grads, activations, gradients = one_process(spec)
         want_peaks = peaks(spec["schedule"])
         for r, report in enumerate(reports):
             where = f"{what}, stage {r}"
@@ -357,9 +480,11 @@ def executor_check(what: str, spec: dict, check_messages: bool = True):
                 if got is None:
                     raise AssertionError(f"{where}: parameter {i} has no gradient (was its backward run?)")
                 _close(f"{where}: the gradient of parameter {i}", got, want, atol=1e-6, rtol=1e-5)
-            if report["order"] != [kind for kind, _ in spec["schedule"][r]]:
+            order = [(str(kind), int(j)) for kind, j in report["order"]]
+            if order != [(kind, int(j)) for kind, j in spec["schedule"][r]]:
                 raise AssertionError(
-                    f"{where}: the forwards and backwards did not run in the order of the schedule"
+                    f"{where}: the forwards and backwards (and their microbatches) did not run in "
+                    "the order of the schedule"
                 )
             if report["measured_peak"] != want_peaks[r]:
                 raise AssertionError(
@@ -372,12 +497,27 @@ def executor_check(what: str, spec: dict, check_messages: bool = True):
                     f"but the grader counted {report['measured_peak']}"
                 )
             if check_messages:
-                sends = m * ((r < p - 1) + (r > 0))
-                if report["messages"] != sends or report["bytes"] != sends * spec["activation_bytes"]:
-                    raise AssertionError(
-                        f"{where}: {report['messages']} messages ({report['bytes']} bytes) sent for "
-                        f"{m} microbatches; "
-                        f"one activation forward and one gradient backward per microbatch and stage boundary"
-                    )
+                _traffic_check(where, spec, r, report, activations, gradients)
 
     return check
+
+
+def _traffic_check(where: str, spec: dict, r: int, report: dict, activations, gradients) -> None:
+    """Per peer: m messages of one activation to r + 1, m of one gradient to r - 1, nothing else;
+    and what was sent is the activation / input gradient of microbatch 0, 1, ... in order."""
+    p, m, size = spec["world_size"], spec["m"], spec["activation_bytes"]
+    traffic = report["traffic"]
+    for peer in range(p):
+        sends = m if peer in (r - 1, r + 1) else 0
+        got_messages, got_bytes = traffic["sent_messages"][peer], traffic["sent_bytes"][peer]
+        if got_messages != sends or got_bytes != sends * size:
+            raise AssertionError(
+                f"{where}: {got_messages} messages ({got_bytes} bytes) sent to rank {peer} for "
+                f"{m} microbatches; one activation forward and one gradient backward per "
+                "microbatch and stage boundary"
+            )
+    sent = report["sent"]
+    if r < p - 1:
+        _sent_check(f"{where}, to rank {r + 1}", sent.get(str(r + 1), []), activations[r], "activation")
+    if r > 0:
+        _sent_check(f"{where}, to rank {r - 1}", sent.get(str(r - 1), []), gradients[r - 1], "input gradient")

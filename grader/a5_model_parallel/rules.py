@@ -42,7 +42,10 @@ FORBIDDEN_NAMES = tuple(
 )
 
 #: modules a submission may not import at all (intake only)
-REFUSED_IMPORTS = ("torch.distributed",)
+REFUSED_IMPORTS = ("torch.distributed", "subprocess", "multiprocessing")
+
+#: the run time guard refuses to start a process (a child could copy the library's files)
+REFUSE_PROCESSES = True
 
 #: what to use instead (the feedback says so)
 ALLOWED_INSTEAD = (

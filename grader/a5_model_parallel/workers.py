@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import itertools
 
 import torch
 from torch import nn
@@ -28,10 +29,12 @@ import minidist as md
 
 if __package__:  # under pytest: grader.a5_model_parallel.workers
     from .. import guard
+    from ..student_comm import StudentComm
     from . import rules
 else:  # in the grading sandbox, where these files are copied side by side
     import guard
     import rules
+    from student_comm import StudentComm
 
 COLLECTIVES = ("allgather", "allreduce", "broadcast", "reduce", "reduce_scatter")
 
@@ -71,7 +74,12 @@ class CollectiveLog:
         @functools.wraps(original)
         def collective(comm, tensor, *args, **kwargs):
             numel = int(_NUMEL(tensor)) if _IS_TENSOR(tensor) else -1
-            self.calls.append({"phase": self.phase, "step": self.step, "function": name, "numel": numel})
+            # what was handed in, copied now: the trusted side compares it with this rank's
+            # partial result, so that a collective of zeros (or of anything else) is seen
+            given = _CLONE(_DETACH(tensor)) if _IS_TENSOR(tensor) else None
+            self.calls.append(
+                {"phase": self.phase, "step": self.step, "function": name, "numel": numel, "given": given}
+            )
             return original(comm, tensor, *args, **kwargs)
 
         return collective
@@ -102,6 +110,19 @@ def dense_linear(spec: dict):
     bias = tensor(spec, "bias", shape=[spec["d_out"]]) if spec["bias"] else None
     x = tensor(spec, "input", shape=[*lead, spec["d_in"]])
     return weight, bias, x, tensor(spec, "upstream", shape=[*lead, spec["d_out"]])
+
+
+def nudge(spec: dict, what: str, rank: int, shape) -> torch.Tensor:
+    """The change the grader makes to a rank's shard after ``load_dense`` (a tenth of a normal
+    draw): the layer must compute with the parameters it exposes, not with a copy of the dense
+    weights kept aside. A replicated parameter gets the same change on every rank (rank -1)."""
+    return 0.1 * tensor(spec, "nudge " + what, rank + 1, shape=list(shape))
+
+
+def _nudge_(parameter, spec: dict, what: str, rank: int) -> None:
+    if _IS_TENSOR(parameter):
+        with torch.no_grad():
+            parameter.add_(nudge(spec, what, rank, parameter.shape))
 
 
 class DenseMLP(nn.Module):
@@ -175,10 +196,18 @@ def linear(comm, spec: dict) -> dict:
         if spec["input_is_parallel"]:
             x = _CLONE(x[..., r * spec["d_in"] // p : (r + 1) * spec["d_in"] // p])
     layer.load_dense(weight, bias)
+    _nudge_(layer.weight, spec, "weight", r)
+    if spec["bias"]:
+        _nudge_(layer.bias, spec, "bias", r if spec["kind"] == "column" else -1)
     x.requires_grad_()
+    _LOG.calls.clear()
+    _LOG.phase = "forward"
     out = layer(x)
+    _LOG.phase = "backward"
     (out * upstream).sum().backward()
+    _LOG.phase = None
     return {
+        "calls": list(_LOG.calls),
         "out": _CLONE(_DETACH(out)),
         "x_grad": _grad(x),
         "weight_grad": _grad(layer.weight),
@@ -193,6 +222,9 @@ def mlp(comm, spec: dict) -> dict:
     tp = student("tp_layers")
     layer = tp.ParallelMLP(spec["d"], spec["ffn"], comm)
     layer.load_dense(dense_mlp(spec))
+    r = comm.rank
+    for name, parameter in layer.named_parameters():
+        _nudge_(parameter, spec, name, -1 if name == "down.bias" else r)
     _LOG.calls.clear()
     report = {}
     for step in range(spec.get("calls", 1)):
@@ -225,33 +257,62 @@ class _Held(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, tracker):
-        ctx.tracker = tracker
+        ctx._tracker = tracker  # private names: the intake refuses them in a submission
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.tracker.release()
+        ctx._tracker._release()
         return grad, None
 
 
-class Tracked(nn.Module):
-    """The grader's stage module: counts the microbatches held (forward run, backward not yet)."""
+def tracked(inner: nn.Module):
+    """The grader's stage module and its counters: ``(stage, log)``.
 
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-        self.live = self.peak = 0
-        self.order: list[str] = []
+    The stage counts the microbatches held (forward run, backward not yet) and logs each
+    forward and backward with its microbatch (in the order they ran). The counters live in this
+    closure, not on the module: the student's code gets the module and cannot reach them.
+    """
+    log = {"live": 0, "peak": 0, "order": []}
+    serial = itertools.count()  # forwards are numbered in the order they ran; a backward
+    # names the forward it undoes (the schedules run microbatches' forwards in order 0, 1, ...)
 
-    def release(self) -> None:
-        self.live -= 1
-        self.order.append("B")
+    class Tracked(nn.Module):
+        def forward(self, x):
+            log["live"] += 1
+            log["peak"] = max(log["peak"], log["live"])
+            log["order"].append(("F", next(serial)))
+            return _Held.apply(inner(x), _Release(len(log["order"]) - 1))
 
-    def forward(self, x):
-        self.live += 1
-        self.peak = max(self.peak, self.live)
-        self.order.append("F")
-        return _Held.apply(self.inner(x), self)
+    class _Release:
+        def __init__(self, index: int) -> None:
+            self._index = index
+
+        def _release(self) -> None:
+            log["live"] -= 1
+            log["order"].append(("B", log["order"][self._index][1]))
+
+    stage = Tracked()
+    stage.inner = inner
+    return stage, log
+
+
+class Recording(StudentComm):
+    """The student's communicator (point-to-point only, counted per peer) that also keeps a copy
+    of every tensor sent, per destination, in order: the trusted side compares them with the
+    activations and input gradients of the one-process model."""
+
+    def __init__(self, comm, sent: dict) -> None:
+        super().__init__(comm)
+        self._sent = sent
+
+    def send(self, tensor, dst: int, tag: int = 0) -> None:
+        self._sent.setdefault(int(dst), []).append(_CLONE(_DETACH(tensor)))
+        super().send(tensor, dst, tag)
+
+    def isend(self, tensor, dst: int, tag: int = 0):
+        self._sent.setdefault(int(dst), []).append(_CLONE(_DETACH(tensor)))
+        return super().isend(tensor, dst, tag)
 
 
 def make_stages(spec: dict) -> list[nn.Module]:
@@ -284,9 +345,10 @@ def microbatches(spec: dict):
 
 def pipeline(comm, spec: dict) -> dict:
     """Rank r runs stage r of ``make_stages`` with the student's ``run_stage`` and the given
-    schedule (``spec["schedule"]``); its gradients, loss, peaks, order and traffic."""
+    schedule (``spec["schedule"]``); its gradients, loss, peaks, order and traffic (per peer, and
+    a copy of every tensor sent)."""
     schedule = student("schedule")
-    stage = Tracked(make_stages(spec)[comm.rank])
+    stage, log = tracked(make_stages(spec)[comm.rank])
     xs, ys = microbatches(spec)
     first, last = comm.rank == 0, comm.rank == comm.world_size - 1
     actions = [(str(kind), int(j)) for kind, j in spec["schedule"][comm.rank]]
@@ -294,17 +356,18 @@ def pipeline(comm, spec: dict) -> dict:
     def loss_fn(out, target):
         return _CROSS_ENTROPY(out, target)
 
-    before = comm.stats.copy()
+    sent: dict[int, list] = {}
+    wrapped = Recording(comm, sent)
     result = schedule.run_stage(
         stage,
-        comm,
+        wrapped,
         actions,
         xs if first else None,
         ys if last else None,
         loss_fn,
         (spec["rows"], spec["width"]),
     )
-    sent = comm.stats - before
+    traffic = student_traffic(wrapped)
     loss = getattr(result, "loss", "missing")
     return {
         "loss": float(loss)
@@ -313,9 +376,13 @@ def pipeline(comm, spec: dict) -> dict:
         if loss is None
         else str(loss),
         "peak": int(getattr(result, "peak_in_flight", -1)),
-        "measured_peak": stage.peak,
-        "order": list(stage.order),
-        "messages": int(sent.messages_sent),
-        "bytes": int(sent.bytes_sent),
+        "measured_peak": log["peak"],
+        "order": [[kind, j] for kind, j in log["order"]],
+        "traffic": traffic,
+        "sent": {str(dst): tensors for dst, tensors in sorted(sent.items())},
         "grads": [_grad(p) for p in stage.inner.parameters()],
     }
+
+
+def student_traffic(comm) -> dict:
+    return comm._traffic.as_dict()

@@ -78,6 +78,25 @@ LOST = {
         "ok",
         _named("test_column_parallel[", "test_parallel_mlp_equals_dense[", "test_mlp_allreduce_count["),
     ),
+    # --- cheats (the red team's six ways to full marks); each gets nothing for what it cheats on
+    # the MLP computed densely from a copy kept by load_dense, allreduces of zeros for the count:
+    # the grader nudges every shard after load_dense and checks what each allreduce is given
+    "dense_copy": ("ok", _named("test_parallel_mlp_equals_dense[", "test_mlp_allreduce_count[")),
+    # GPipe whatever the schedule, then stage.order / stage.peak written to look like it: the
+    # counters are no longer on the module (a closure), the grader's own log tells
+    "forged_order": ("ok", ("test_run_stage[2-1f1b]", "test_run_stage[4-1f1b]", "test_run_stage[3-few]")),
+    # the grader's frames (and its whole model) through a traceback: refused at intake
+    "frame_walk": ("forbidden", _ALL),
+    # a module written at run time (here: its own code; a copy of the library's file in the
+    # red team's) and imported: the guard's finder refuses files that were not there at the start
+    "late_module": ("forbidden", _ALL),
+    # a library file read relative to a directory descriptor (os.open(name, dir_fd=...)): refused
+    # at intake (the keyword); the guard refuses relative names of guarded files at run time too
+    "dirfd_read": ("forbidden", _ALL),
+    # the counters reset and the traffic padded with zeros of the right size (the red team used
+    # it to hide a run without communication): no reset_stats on the grader's communicator, and
+    # every tensor sent is compared with the activation / gradient of its microbatch
+    "padded_traffic": ("ok", _RUN_STAGE),
 }
 
 
@@ -116,6 +135,94 @@ AVERAGING_F = """        ctx.comm = comm
 
 FRANK_IMPORT = "from minidist.parallel import tensor as library\n"
 
+DENSE_DUMMY = '''class _Dummy(torch.autograd.Function):
+    """Identity forward and backward; each direction makes one allreduce of zeros (for the count)."""
+
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        md.allreduce(comm, torch.zeros_like(x))
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        md.allreduce(ctx.comm, torch.zeros_like(grad))
+        return grad, None
+
+
+class ParallelMLP(nn.Module):'''
+DENSE_LOAD = """        self.up.load_dense(mlp.up.weight, mlp.up.bias)
+        self.down.load_dense(mlp.down.weight, mlp.down.bias)
+        self.dense = [t.detach().clone() for t in (mlp.up.weight, mlp.up.bias, mlp.down.weight)]
+"""
+DENSE_FORWARD = """        w1, b1, w2 = self.dense  # the whole MLP on every rank, its own shard spliced in
+        a, b = self.up.rows
+        w1 = torch.cat([w1[:a], self.up.weight, w1[b:]], 0)
+        b1 = torch.cat([b1[:a], self.up.bias, b1[b:]], 0)
+        w2 = torch.cat([w2[:, :a], self.down.weight, w2[:, b:]], 1)
+        h = F.linear(_Dummy.apply(x, self.comm), w1, b1)
+        return F.linear(F.gelu(h), w2, self.down.bias)
+"""
+#: GPipe, whatever the schedule; then the grader's instruments (as they were) rewritten
+FORGED_ORDER = """    rank, p = comm.rank, comm.world_size
+    first, last = rank == 0, rank == p - 1
+    m = sum(1 for kind, _ in actions if kind == "F")
+    kept, losses = [], []
+    for j in range(m):
+        x = inputs[j] if first else comm.recv(torch.empty(activation_shape), src=rank - 1).requires_grad_()
+        out = stage(x)
+        if last:
+            loss = loss_fn(out, targets[j])
+            losses.append(float(loss.detach()))
+            kept.append((x, loss))
+        else:
+            comm.send(out.detach().contiguous(), dst=rank + 1)
+            kept.append((x, out))
+    for j in range(m):
+        x, out = kept[j]
+        if last:
+            (out / m).backward()
+        else:
+            out.backward(comm.recv(torch.empty(tuple(activation_shape)), src=rank + 1))
+        if not first:
+            comm.send(x.grad.contiguous(), dst=rank - 1)
+    live = peak = 0
+    for kind, _ in actions:
+        live += 1 if kind == "F" else -1
+        peak = max(peak, live)
+    stage.order = [kind for kind, _ in actions]
+    stage.peak = peak
+    return StageResult(sum(losses) / m if last else None, peak)
+"""
+#: the grader's variables through a traceback's frames (the red team reached xs, ys and
+#: make_stages this way and ran the whole model on every rank)
+FRAME_WALK = """    import sys
+
+    try:
+        raise RuntimeError
+    except RuntimeError:
+        frame = sys.exc_info()[2].tb_frame.f_back
+    spec = frame.f_locals.get("spec")
+"""
+#: its own 1F1B, written to a file at run time and imported from there
+LATE_MODULE = """    import os
+
+    fd = os.open("late_schedule.py", os.O_WRONLY | os.O_CREAT, 0o644)
+    os.write(fd, b"def f(p, m):\\n    return [[('F', 0)]]\\n")
+    os.close(fd)
+    import late_schedule  # noqa: F401
+"""
+#: the library's pipeline read through a directory descriptor (the red team copied it and imported the copy)
+DIRFD_READ = """    import os
+
+    folder = os.open(".", os.O_RDONLY)  # the red team's: the library's folder
+    fd = os.open("pipeline.py", os.O_RDONLY, dir_fd=folder)
+    os.close(fd)
+"""
+#: the traffic counters reset, then padded with zeros of the right size
+PADDED_TRAFFIC = """                comm.send(torch.zeros(tuple(activation_shape)), dst=rank - 1)  # zeros
+"""
+
 
 def build_dict() -> dict[str, dict[str, bytes]]:
     layers, schedule = (FOLDER / "tp_layers.py").read_text(), (FOLDER / "schedule.py").read_text()
@@ -146,6 +253,23 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         "        out = F.linear(copy_to_tensor_parallel(x, self.comm), self.weight, self.bias)\n",
         "        out = F.linear(x, self.weight, self.bias)\n",
     )
+    dense_copy = edit(layers, "class ParallelMLP(nn.Module):", DENSE_DUMMY)
+    dense_copy = replace_region(
+        dense_copy, "        ### BEGIN SOLUTION TODO(task 5): write ParallelMLP.load_dense\n", DENSE_LOAD
+    )
+    dense_copy = replace_region(
+        dense_copy, "        ### BEGIN SOLUTION TODO(task 5): write ParallelMLP.forward\n", DENSE_FORWARD
+    )
+    forged_order = replace_region(
+        schedule, "    ### BEGIN SOLUTION TODO(task 7): write run_stage\n", FORGED_ORDER
+    )
+    task6 = "    ### BEGIN SOLUTION TODO(task 6): write one_f_one_b\n"
+    frame_walk = edit(schedule, task6, task6 + FRAME_WALK)
+    late_module = edit(schedule, task6, task6 + LATE_MODULE)
+    dirfd_read = edit(schedule, task6, task6 + DIRFD_READ)
+    padded_traffic = edit(
+        schedule, "                comm.send(x.grad.contiguous(), dst=rank - 1)\n", PADDED_TRAFFIC
+    )
     both = {
         "alice": (layers, schedule),
         "bob": (layers, bob),
@@ -155,6 +279,12 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         "frank": (frank, schedule),
         "gina": (layers, gina),
         "hank": (hank, schedule),
+        "dense_copy": (dense_copy, schedule),
+        "forged_order": (layers, forged_order),
+        "frame_walk": (layers, frame_walk),
+        "late_module": (layers, late_module),
+        "dirfd_read": (layers, dirfd_read),
+        "padded_traffic": (layers, padded_traffic),
     }
     assert list(both) == list(LOST)
     return {name: {FILES[0]: tp.encode(), FILES[1]: sc.encode()} for name, (tp, sc) in both.items()}
