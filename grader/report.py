@@ -167,8 +167,8 @@ def feedback_md(graded: Graded, hints: dict[str, str]) -> str:
         lines += ["", "Every test passed. Well done."]
     lines += [
         "",
-        "The hidden tests run your functions on 1 to 8 ranks, several dtypes, layouts and "
-        "transports, and check the bytes and messages every rank sends.",
+        "The hidden tests run your code on other sizes and numbers of ranks than the public "
+        "tests, compare every result with a trusted computation, and check what your code sends.",
     ]
     return "\n".join(lines) + "\n"
 

@@ -176,21 +176,30 @@ def _executor_spec() -> dict:
 
 
 def _honest_reports(spec: dict) -> list[dict]:
-    loss, grads = reference.one_process(spec)
+    loss, grads, activations, gradients = reference.one_process(spec)
     p, m = spec["world_size"], spec["m"]
     peaks = reference.peaks(spec["schedule"])
-    return [
-        {
-            "loss": loss if r == p - 1 else None,
-            "peak": peaks[r],
-            "measured_peak": peaks[r],
-            "order": [kind for kind, _ in spec["schedule"][r]],
-            "messages": m * ((r < p - 1) + (r > 0)),
-            "bytes": m * ((r < p - 1) + (r > 0)) * spec["activation_bytes"],
-            "grads": grads[r],
-        }
-        for r in range(p)
-    ]
+    reports = []
+    for r in range(p):
+        traffic = {key: [0] * p for key in ("sent_messages", "sent_bytes")}
+        sent = {}
+        for peer, tensors in ((r + 1, activations[r] if r < p - 1 else None), (r - 1, gradients[r - 1])):
+            if 0 <= peer < p and tensors is not None:
+                traffic["sent_messages"][peer] = m
+                traffic["sent_bytes"][peer] = m * spec["activation_bytes"]
+                sent[str(peer)] = list(tensors)
+        reports.append(
+            {
+                "loss": loss if r == p - 1 else None,
+                "peak": peaks[r],
+                "measured_peak": peaks[r],
+                "order": [list(a) for a in spec["schedule"][r]],
+                "traffic": traffic,
+                "sent": sent,
+                "grads": grads[r],
+            }
+        )
+    return reports
 
 
 def test_the_executor_check_trusts_its_own_counts_not_the_reported_peak():
@@ -202,7 +211,7 @@ def test_the_executor_check_trusts_its_own_counts_not_the_reported_peak():
     with pytest.raises(AssertionError, match="held at once"):
         check(claimed)
     chatty = _honest_reports(spec)
-    chatty[0]["messages"] += 1
+    chatty[0]["traffic"]["sent_messages"][1] += 1
     with pytest.raises(AssertionError, match="messages"):
         check(chatty)
     wrong = _honest_reports(spec)
@@ -211,27 +220,65 @@ def test_the_executor_check_trusts_its_own_counts_not_the_reported_peak():
         check(wrong)
 
 
-def test_the_count_check_refuses_a_second_allreduce_and_a_wrong_size():
+def test_the_executor_check_compares_what_was_sent_and_which_microbatch_ran():
+    spec = _executor_spec()
+    check = reference.executor_check("e", spec)
+    padded = _honest_reports(spec)  # the right number of messages and bytes, zeros in them
+    padded[1]["sent"]["0"] = [torch.zeros_like(t) for t in padded[1]["sent"]["0"]]
+    with pytest.raises(AssertionError, match="input gradient sent for microbatch 0"):
+        check(padded)
+    swapped = _honest_reports(spec)  # two activations sent in the wrong order
+    swapped[0]["sent"]["1"][:2] = swapped[0]["sent"]["1"][1::-1]
+    with pytest.raises(AssertionError, match="activation sent for microbatch 0"):
+        check(swapped)
+    order = _honest_reports(spec)  # the kinds in the schedule's order, a backward of another microbatch
+    b = [i for i, (kind, _) in enumerate(order[0]["order"]) if kind == "B"]
+    order[0]["order"][b[0]][1], order[0]["order"][b[1]][1] = (
+        order[0]["order"][b[1]][1],
+        order[0]["order"][b[0]][1],
+    )
+    with pytest.raises(AssertionError, match="their microbatches"):
+        check(order)
+
+
+def test_the_count_check_refuses_a_second_allreduce_a_wrong_size_and_zeros():
     spec = next(t for t in grading.graded_tests(0) if t.name == "test_mlp_allreduce_count[2]").job.args[0]
     numel = spec["batch"] * spec["seq"] * spec["d"]
-    one = [
-        {"phase": phase, "step": step, "function": "allreduce", "numel": numel}
-        for step in range(spec["calls"])
-        for phase in ("forward", "backward")
-    ]
+    mlp = reference.nudged_mlp(spec)
+    calls = []
+    for r in range(2):
+        part, part_grad = reference.mlp_partials(spec, mlp, r)
+        calls.append(
+            [
+                {"phase": phase, "step": step, "function": "allreduce", "numel": numel, "given": given}
+                for step in range(spec["calls"])
+                for phase, given in (("forward", part), ("backward", part_grad))
+            ]
+        )
     check = reference.mlp_count_check("c", spec)
-    check([{"calls": one}] * 2)
+    check([{"calls": one} for one in calls])
     with pytest.raises(AssertionError, match="2 call"):
-        check([{"calls": one + [dict(one[0])]}] * 2)
+        check([{"calls": one + [dict(one[0])]} for one in calls])
     with pytest.raises(AssertionError, match="elements"):
-        check([{"calls": [{**c, "numel": numel * 4} for c in one]}] * 2)
+        check([{"calls": [{**c, "numel": numel * 4} for c in one]} for one in calls])
     with pytest.raises(AssertionError, match="outside"):
-        check([{"calls": one + [{"phase": None, "step": None, "function": "allgather", "numel": 1}]}] * 2)
+        extra = {"phase": None, "step": None, "function": "allgather", "numel": 1, "given": None}
+        check([{"calls": one + [extra]} for one in calls])
+    with pytest.raises(AssertionError, match="this rank's share"):  # the count met with zeros
+        check([{"calls": [{**c, "given": torch.zeros_like(c["given"])} for c in one]} for one in calls])
+    # a bias added before the sum (the value tests catch it) is not a wrong count
+    bias = torch.arange(spec["d"], dtype=torch.float64)
+    check(
+        [
+            {"calls": [{**c, "given": c["given"] + bias * (c["phase"] == "forward")} for c in one]}
+            for one in calls
+        ]
+    )
 
 
 def test_feedback_names_what_differs_not_the_expected_value():
     spec = next(t for t in grading.graded_tests(0) if t.name == "test_row_parallel[row-2]").job.args[0]
-    weight, bias, x, upstream = workers.dense_linear(spec)
+    weight, bias, x, upstream = reference.nudged_linear(spec)
     out = torch.nn.functional.linear(x, weight, bias)
     report = {"out": out + 1.0, "x_grad": None, "weight_grad": None, "bias_grad": None}
     with pytest.raises(AssertionError) as caught:
@@ -284,6 +331,18 @@ def test_the_intake_check_accepts_the_solution_and_refuses_the_library():
         "import torch.distributed as dist",
         "from torch.distributed.pipelining import pipeline",
         "from torch.distributed.tensor.parallel import ColwiseParallel",
+        # the red team's: the grader's frames, a folder of its own to import from, a file named
+        # relative to a directory descriptor, a child process
+        "import sys\nframe = sys.exc_info()[2].tb_frame.f_back",
+        "def f(e):\n    return e.tb_frame",
+        "def f(g):\n    return g.gi_frame.f_locals",
+        "def f(x):\n    return getattr(x, 'f_globals')",
+        "import traceback\ntraceback.walk_stack(None)",
+        "import sys\nsys.exception()",
+        "import sys\nsys.path.insert(0, '/tmp/x')",
+        "import os\nos.open('pipeline.py', os.O_RDONLY, dir_fd=3)",
+        "import os\nos.open('pipeline.py', os.O_RDONLY, **{'dir_fd': 3})",
+        "import subprocess\nsubprocess.run(['cp', 'a', 'b'])",
     ):
         assert forbidden.check(code, rules) is not None, code
 
@@ -311,6 +370,35 @@ for name, attribute, args in (
         refused.append(False)
 assert refused == [True, True], refused
 assert md.allreduce.__code__.co_name == "allreduce"  # the collectives stay allowed
+
+import os, subprocess, sys, tempfile  # noqa: E401,E402
+import minidist.parallel.ddp  # noqa: E402,F401  (not guarded: it imports as usual)
+
+# a module written after the guard went in is not imported, wherever it lies
+folder = tempfile.mkdtemp()
+with open(os.path.join(folder, "late_copy.py"), "w") as file:
+    file.write("x = 1\\n")
+sys.path.insert(0, folder)
+try:
+    import late_copy  # noqa: F401
+except ImportError as error:
+    assert guard.MARKER in str(error), error
+else:
+    raise AssertionError("a module written at run time was imported")
+# the library's file by a name relative to a directory descriptor; a hard link to it
+library = os.path.dirname(md.parallel.ddp.__file__)
+fd = os.open(library, os.O_RDONLY)
+for attempt in (
+    lambda: os.open("pipeline.py", os.O_RDONLY, dir_fd=fd),
+    lambda: os.link(os.path.join(library, "pipeline.py"), os.path.join(folder, "p.py")),
+    lambda: subprocess.run(["true"]),  # a child would read what the hook does not see
+):
+    try:
+        attempt()
+    except PermissionError as error:
+        assert guard.MARKER in str(error), error
+    else:
+        raise AssertionError("not refused")
 print("ok")
 """
 
@@ -355,4 +443,11 @@ def test_the_examples_and_the_stub_get_their_scores(tmp_path):
     assert "did not finish" in (out / "gina" / "feedback.md").read_text()
     assert "the input's gradient" in (out / "hank" / "feedback.md").read_text()
     assert "minidist.parallel.tensor" in book["frank"]["reason"]
+    # the red team's six ways, closed (the scores: ``make.LOST``)
+    assert "tb_frame" in book["frame_walk"]["reason"]
+    assert "dir_fd" in book["dirfd_read"]["reason"]
+    assert "importing late_schedule" in book["late_module"]["reason"]
+    assert "this rank's share" in (out / "dense_copy" / "feedback.md").read_text()
+    assert "their microbatches" in (out / "forged_order" / "feedback.md").read_text()
+    assert "input gradient sent for microbatch" in (out / "padded_traffic" / "feedback.md").read_text()
     assert float(book["alice"]["similarity"]) < similarity.FLAG_AT
