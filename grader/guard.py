@@ -22,8 +22,11 @@ Three locks, because a name can be reached in many ways (``md.allreduce``, an al
    library, the installed packages, the folder of the guarded library, and the files that were
    on ``sys.path`` when the guard was installed (the sandbox's: the grader's modules and the
    submission's) -- a copy of the library written at run time, anywhere, is not imported.
-   With ``REFUSE_PROCESSES`` in the rules, the hook also refuses to start a process (a child
-   reads files the hook does not see).
+   The hook refuses to write a file code is loaded from (``.py``, ``.pyc``, ``.so``, ...) or
+   any of those files (the grader's modules beside the submission: a later job imports them),
+   to rename or link one into place, and to remove, truncate or touch those files. With
+   ``REFUSE_PROCESSES`` in the rules, it also refuses to start a process (a child reads and
+   writes files the hook does not see).
 
 The refusal's message starts with ``MARKER``; the grader recognises it in a worker's error
 and gives the submission the status ``forbidden``. What this cannot stop (code in the same
@@ -45,6 +48,10 @@ _installed: set[str] = set()
 _guarded_files: set[str] = set()
 _guarded_names: set[str] = set()  # their base names (a relative open may be dir_fd-relative)
 _refuse_processes: list[bool] = [False]
+_protected: set[str] = set()  # the module files on sys.path at install: nobody's to rewrite
+#: what a module can be loaded from: a submission writes none of these (nor renames one into place)
+_MODULE_SUFFIXES = (".py", ".pyc", ".pyw", ".so", ".pth", ".zip")
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 #: audit events that start a process (subprocess, os.system, fork, exec, spawn)
 _PROCESS_EVENTS = (
     "subprocess.Popen",
@@ -211,13 +218,45 @@ def _guarded(raw) -> str | None:
     return None
 
 
+def _is_code_file(raw) -> bool:
+    """Whether ``raw`` names a file code is loaded from, or one of the files present at install
+    (the grader's modules beside the submission: rewritten, a later job would import them)."""
+    if not isinstance(raw, (str, bytes, os.PathLike)):
+        return False
+    try:
+        name = os.fsdecode(raw)
+    except (TypeError, ValueError):
+        return False
+    return name.endswith(_MODULE_SUFFIXES) or os.path.realpath(name) in _protected
+
+
+def _writes(mode, flags) -> bool:
+    if isinstance(mode, str) and any(c in mode for c in "wax+"):
+        return True
+    return isinstance(flags, int) and bool(flags & _WRITE_FLAGS)
+
+
 def _audit(event: str, args: tuple) -> None:
     if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
         if path := _guarded(args[0]):
             raise PermissionError(f"{MARKER} reading {path}, the library's code for this assignment's task")
-    elif event == "os.link" and args:
-        if path := _guarded(args[0]):
+        if _protected and len(args) >= 3 and _writes(args[1], args[2]) and _is_code_file(args[0]):
+            raise PermissionError(
+                f"{MARKER} writing {os.fsdecode(args[0])}: a submission writes no code files"
+            )
+    elif _protected and event in ("os.rename", "os.link", "os.symlink") and len(args) >= 2:
+        if _is_code_file(args[1]) or (event == "os.rename" and _is_code_file(args[0])):
+            raise PermissionError(f"{MARKER} {event} to {args[1]}: a submission writes no code files")
+        if event == "os.link" and (path := _guarded(args[0])):
             raise PermissionError(f"{MARKER} linking {path}, the library's code for this assignment's task")
+    elif _protected and event in ("os.remove", "os.truncate", "os.utime", "os.chmod") and args:
+        if (
+            isinstance(args[0], (str, bytes, os.PathLike))
+            and os.path.realpath(os.fsdecode(args[0])) in _protected
+        ):
+            raise PermissionError(
+                f"{MARKER} {event} of {args[0]}: the grader's and your files stay as they are"
+            )
     elif _refuse_processes[0] and event.startswith(_PROCESS_EVENTS):
         raise PermissionError(
             f"{MARKER} starting a process ({event}): a submission computes in its own process"
@@ -282,7 +321,9 @@ def install(modules: tuple[str, ...], names: tuple[str, ...], instead: str, proc
         _neuter(function, name, instead)
     _guarded_names.update(os.path.basename(path) for path in _guarded_files)
     roots = _library_roots(modules)
-    sys.meta_path.insert(0, _OnlyKnownFiles(roots, _present_files(roots), instead))
+    present = _present_files(roots)
+    _protected.update(present)
+    sys.meta_path.insert(0, _OnlyKnownFiles(roots, present, instead))
     sys.meta_path.insert(0, _RefuseImports(modules, instead))
     _refuse_processes[0] = _refuse_processes[0] or processes
     if not _installed:

@@ -349,6 +349,7 @@ def test_the_intake_check_accepts_the_solution_and_refuses_the_library():
 
 GUARD_PROBE = """
 import importlib
+import tempfile, os  # noqa: E401
 
 import torch
 
@@ -356,6 +357,10 @@ import minidist as md
 from grader import guard
 from grader.a5_model_parallel import rules
 
+folder = tempfile.mkdtemp()  # written before the guard goes in: after, it could not be
+for name, text in (("late_copy.py", "x = 1"), ("notes.txt", "")):
+    with open(os.path.join(folder, name), "w") as file:
+        file.write(text)
 guard.install_rules(rules)
 refused = []
 for name, attribute, args in (
@@ -371,13 +376,11 @@ for name, attribute, args in (
 assert refused == [True, True], refused
 assert md.allreduce.__code__.co_name == "allreduce"  # the collectives stay allowed
 
-import os, subprocess, sys, tempfile  # noqa: E401,E402
+import os, subprocess, sys  # noqa: E401,E402
 import minidist.parallel.ddp  # noqa: E402,F401  (not guarded: it imports as usual)
 
-# a module written after the guard went in is not imported, wherever it lies
-folder = tempfile.mkdtemp()
-with open(os.path.join(folder, "late_copy.py"), "w") as file:
-    file.write("x = 1\\n")
+# a module in a folder that was not on sys.path when the guard went in is not imported (the
+# red team's copies of the library), and no code file can be written any more
 sys.path.insert(0, folder)
 try:
     import late_copy  # noqa: F401
@@ -392,6 +395,10 @@ for attempt in (
     lambda: os.open("pipeline.py", os.O_RDONLY, dir_fd=fd),
     lambda: os.link(os.path.join(library, "pipeline.py"), os.path.join(folder, "p.py")),
     lambda: subprocess.run(["true"]),  # a child would read what the hook does not see
+    lambda: open(os.path.join(folder, "another.py"), "w"),
+    lambda: os.open("workers_copy.pyc", os.O_WRONLY | os.O_CREAT),
+    lambda: os.rename(os.path.join(folder, "notes.txt"), os.path.join(folder, "notes.py")),
+    lambda: open(guard.__file__, "a"),  # the grader's files beside the submission
 ):
     try:
         attempt()
