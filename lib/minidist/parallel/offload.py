@@ -3,7 +3,8 @@
 Adam keeps two fp32 numbers per parameter (the moments m and v), and mixed-precision training a
 third (an fp32 master copy of the weights): 8 to 12 bytes per parameter, against 2 for the bf16
 weights themselves. ZeRO-Infinity (Rajbhandari et al., 2021) moves that state to NVMe and
-streams it through the GPU's memory in pieces, so the state may be far larger than the device.
+brings it into memory a piece at a time for the update, writing each piece back, so the state
+may be far larger than the device.
 On this CPU-only machine "the device" is the process's resident memory (RSS) and "NVMe" is a
 file: the state is written to files in ``directory`` and ``step()`` walks through them one
 chunk at a time, never holding more than ``budget_bytes`` of it in RAM::
