@@ -16,7 +16,7 @@ help:
 	@echo "make test       set up .venv, run lint, every test and every notebook (what CI runs)"
 	@echo "make test-lib   only the library tests (faster while developing)"
 	@echo "make notebooks  only the notebooks, checked against their stored outputs (nbval)"
-	@echo "make bench      the benchmarks (p2p, launch, collectives, glove); results in bench-results/"
+	@echo "make bench      the benchmarks (p2p, launch, collectives, glove, ddp, model_parallel); results in bench-results/"
 	@echo "make format     ruff format + autofix"
 	@echo "make release    regenerate assignments/ from solutions/ (instructors)"
 	@echo "make grade      grade the example submissions of a1 into grader-results/ (instructors)"
@@ -71,6 +71,8 @@ bench: $(STAMP)
 	$(PY) -m minidist.bench collectives --world-size 2
 	$(PY) -m minidist.bench collectives --world-size 4
 	$(PY) -m minidist.bench glove
+	$(PY) -m minidist.bench ddp
+	$(PY) -m minidist.bench model_parallel
 
 clean:
 	rm -rf $(VENV) bench-results grader-results .pytest_cache .ruff_cache

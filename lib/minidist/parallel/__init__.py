@@ -3,6 +3,11 @@
 Building blocks (variable-length messages, any-source receive) and data
 parallelism: ``DistributedDataParallel`` (``ddp``: hooks, buckets, overlap,
 ``no_sync``, comm hooks; the buckets themselves in ``buckets``).
+
+Model parallelism, imported by name (``from minidist.parallel import tensor as tp``):
+``tensor`` (Megatron-style tensor parallel), ``pipeline`` (GPipe/1F1B schedules and their
+executor), ``zero`` (ZeRO-1/2/3), ``offload`` (optimizer state in files on disk). Also
+``group`` (sub-communicators), ``compression``, ``averaging`` and ``stragglers``.
 """
 
 from .buckets import allreduce_average
