@@ -51,6 +51,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from minidist._proc import peak_rss_bytes, reset_peak_rss, rss_bytes
 from minidist.models import transformer
 from minidist.models.transformer import TransformerConfig
 
@@ -208,41 +209,7 @@ def saved_activation_bytes(fn: Callable, *args, **kwargs) -> int:
 # --------------------------------------------------------------------------------------------
 # Measurement: resident memory of this process (Linux /proc)
 # --------------------------------------------------------------------------------------------
-def _proc_status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def rss_bytes() -> int:
-    """Resident set size now (VmRSS in /proc/self/status), in bytes. Raises on a system without /proc."""
-    kib = _proc_status_kib("VmRSS")
-    if kib is None:
-        raise RuntimeError("rss_bytes needs Linux's /proc/self/status (VmRSS); not available here")
-    return kib * 1024
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size (VmHWM, the 'high water mark') since start or the last ``reset_peak_rss``."""
-    kib = _proc_status_kib("VmHWM")
-    if kib is None:
-        raise RuntimeError("peak_rss_bytes needs Linux's /proc/self/status (VmHWM); not available here")
-    return kib * 1024
-
-
-def reset_peak_rss() -> bool:
-    """Reset the peak to the current RSS (write "5" to /proc/self/clear_refs); False where that is refused."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
+# rss_bytes, peak_rss_bytes, reset_peak_rss: from minidist._proc (one copy, below offload and us).
 
 
 class MetaBuild(NamedTuple):

@@ -55,6 +55,8 @@ from collections.abc import Iterable
 import numpy as np
 import torch
 
+from minidist._proc import peak_rss_bytes, reset_peak_rss, rss_bytes
+
 __all__ = ["OffloadedAdamW", "state_bytes", "chunk_elements", "measure_offload", "measure_rss_growth"]
 
 PAGE_ELEMENTS = mmap.PAGESIZE // 4  # fp32 elements in one page: chunks start on page boundaries
@@ -352,26 +354,6 @@ def measure_offload(
 # --------------------------------------------------------------------------------------------
 # Resident memory: does the budget hold? (measured in a fresh child process)
 # --------------------------------------------------------------------------------------------
-# minidist.memory has the same /proc readers, but it sits a layer above this module (it reads the
-# models' configs), so the three lines each are repeated here rather than imported.
-def _proc_status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not found in /proc/self/status: the RSS measurement needs Linux")
-
-
-def _reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (write "5" to /proc/self/clear_refs); False where refused."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
-
-
 def _rss_growth_here(
     width: int, layers: int, budget_bytes: int, steps: int, drop_pages: bool, optimizer: str
 ) -> dict:
@@ -402,18 +384,18 @@ def _rss_growth_here(
                 f.release(0, opt.n_params, drop_pages=True)
         # What forward and backward alone add (weight-gradient temporaries, autograd's buffers):
         # the overhead beside the optimizer's budget, measured, not guessed.
-        if not _reset_peak_rss():
+        if not reset_peak_rss():
             return {"error": "cannot reset VmHWM via /proc/self/clear_refs"}
-        baseline = _proc_status_bytes("VmRSS")
+        baseline = rss_bytes()
         for _ in range(steps):
             forward_backward()
-        forward_backward_bytes = max(0, _proc_status_bytes("VmHWM") - baseline)
-        _reset_peak_rss()
-        baseline = _proc_status_bytes("VmRSS")
+        forward_backward_bytes = max(0, peak_rss_bytes() - baseline)
+        reset_peak_rss()
+        baseline = rss_bytes()
         for _ in range(steps):
             forward_backward()
             opt.step()
-        peak = _proc_status_bytes("VmHWM")
+        peak = peak_rss_bytes()
         if optimizer == "offload":
             opt.close()
     return {
