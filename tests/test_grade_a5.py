@@ -453,8 +453,10 @@ def test_the_examples_and_the_stub_get_their_scores(tmp_path):
     # the red team's six ways, closed (the scores: ``make.LOST``)
     assert "tb_frame" in book["frame_walk"]["reason"]
     assert "dir_fd" in book["dirfd_read"]["reason"]
-    assert "importing late_schedule" in book["late_module"]["reason"]
+    assert "late_schedule.py" in book["late_module"]["reason"]
     assert "this rank's share" in (out / "dense_copy" / "feedback.md").read_text()
     assert "their microbatches" in (out / "forged_order" / "feedback.md").read_text()
-    assert "input gradient sent for microbatch" in (out / "padded_traffic" / "feedback.md").read_text()
+    # zeros for gradients: stage 0's gradients are wrong before what was sent is compared
+    # (test_the_executor_check_compares_what_was_sent_and_which_microbatch_ran checks that part)
+    assert "the gradient of parameter" in (out / "padded_traffic" / "feedback.md").read_text()
     assert float(book["alice"]["similarity"]) < similarity.FLAG_AT

@@ -88,7 +88,8 @@ LOST = {
     # the grader's frames (and its whole model) through a traceback: refused at intake
     "frame_walk": ("forbidden", _ALL),
     # a module written at run time (here: its own code; a copy of the library's file in the
-    # red team's) and imported: the guard's finder refuses files that were not there at the start
+    # red team's) to import it: the guard refuses to write a code file, and its finder refuses
+    # a module file that was not on sys.path when it went in
     "late_module": ("forbidden", _ALL),
     # a library file read relative to a directory descriptor (os.open(name, dir_fd=...)): refused
     # at intake (the keyword); the guard refuses relative names of guarded files at run time too
@@ -254,6 +255,8 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         "        out = F.linear(x, self.weight, self.bias)\n",
     )
     dense_copy = edit(layers, "class ParallelMLP(nn.Module):", DENSE_DUMMY)
+    init = "        ### BEGIN SOLUTION TODO(task 5): write ParallelMLP.__init__\n"
+    dense_copy = edit(dense_copy, init, init + "        self.comm = comm\n")
     dense_copy = replace_region(
         dense_copy, "        ### BEGIN SOLUTION TODO(task 5): write ParallelMLP.load_dense\n", DENSE_LOAD
     )
