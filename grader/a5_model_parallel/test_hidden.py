@@ -9,19 +9,22 @@ sizes, data and models).
 * f and g: forward and backward values with rank-dependent inputs and gradients, and exactly one
   allreduce each, in the right direction (tasks 1, 2);
 * column- and row-parallel layers on sizes the public tests do not use, with and without bias,
-  gather_output and input_is_parallel both ways: output, every shard's gradients, the input's
-  gradient (tasks 3, 4);
+  gather_output and input_is_parallel both ways, every shard nudged by the grader after
+  ``load_dense``: output, every shard's gradients, the input's gradient, and each collective's
+  input, which must be this rank's share (tasks 3, 4);
 * the MLP on 2 and 4 ranks against the dense MLP: output, input gradient, every shard's
-  gradient (task 5), and exactly one allreduce of one activation forward and one backward per
-  call, counted by the grader's wrapper of the collectives (tasks 1, 2, 5);
+  gradient, with the shards nudged (task 5), and exactly one allreduce of one activation forward
+  and one backward per call, counted by the grader's wrapper of the collectives, each given this
+  rank's partial output / partial input gradient (tasks 1, 2, 5);
 * the schedule: exactly the docstring's 1F1B; valid by a brute-force checker (each action once,
   dependencies, no deadlock); the simulated bubble equals (p-1)/(m+p-1); at most p - r
   microbatches held on stage r (GPipe holds m) (task 6);
 * the stage step on 2 and 4 ranks with the grader's stage modules and the grader's 1F1B and
   GPipe schedules: gradients and loss equal one process; the order of the work follows the
-  schedule; the microbatches held, counted by the grader's stage modules, equal the schedule's
-  and the reported peak; exactly one message per microbatch and stage boundary each way, bytes
-  counted by the transport (task 7).
+  schedule, microbatch by microbatch; the microbatches held, counted by the grader's stage
+  modules, equal the schedule's and the reported peak; exactly one message per microbatch and
+  stage boundary each way, counted per peer by the grader's communicator, each the activation
+  or input gradient of its microbatch (task 7).
 
 The folder holding the student's ``tp_layers.py`` and ``schedule.py`` must be on PYTHONPATH;
 they are imported only in the worker processes. Every test carries ``points(n)`` (``conftest.py``).

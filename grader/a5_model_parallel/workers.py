@@ -9,10 +9,19 @@ What a rank reports besides the values, measured by the grader's code:
 
 * every call of the library's collectives (``CollectiveLog``: ``md.allreduce``,
   ``md.allgather``, ... are wrapped before the student's modules are imported), with the phase
-  it came in (forward or backward) and its number of elements;
-* in the pipeline, the stage modules are the grader's (``Tracked``): they count the microbatches
-  whose forward ran and whose backward did not (the activations held), and log the order of the
-  forwards and backwards; the messages and bytes sent come from the transport (``comm.stats``).
+  it came in (forward or backward), its number of elements and a copy of the tensor handed in
+  (the trusted side compares it with this rank's share: its partial output, its partial input
+  gradient -- a collective of zeros or of a dense result is seen);
+* after ``load_dense`` the grader nudges every shard it was given (``nudge``, through the
+  parameters the layer exposes) and the reference nudges the dense weights the same way: a
+  layer that computes from a dense copy kept aside gives other values;
+* in the pipeline, the stage modules are the grader's (``tracked``): they count the microbatches
+  whose forward ran and whose backward did not (the activations held), and log the forwards and
+  backwards in the order they ran, each backward with the forward it undid -- counters kept in a
+  closure, out of the student's reach; ``run_stage`` gets a ``StudentComm`` (point-to-point
+  only, no ``reset_stats``) that counts messages and bytes per peer and keeps a copy of every
+  tensor sent (``Recording``), compared with the activations and input gradients of the
+  one-process model.
 """
 
 from __future__ import annotations
