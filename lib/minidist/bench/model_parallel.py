@@ -316,8 +316,8 @@ class ModelParallelBench:
     warmup: int = 1
     microbatches: int = 4
     bubble_microbatches: tuple[int, ...] = (2, 8)
-    t_forward: float = 0.02
-    t_backward: float = 0.04
+    t_forward: float = 0.05
+    t_backward: float = 0.1
     fsdp2: bool = True
     world_size: int = 2
     lr: float = 1e-3
