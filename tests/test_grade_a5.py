@@ -5,7 +5,9 @@ simulator (``grader/a5_model_parallel/reference.py``) agree with the solution an
 formulas and refuse broken schedules; the checks refuse reports that cheat; the intake check and
 the run time guard refuse the library's tensor and pipeline parallelism; and the example students
 of ``grader/examples/a5_model_parallel/make.py`` (correct, GPipe for 1F1B, an extra allreduce, the
-bias added p times, a crash, the library's layers, a deadlock, no f) and the released stub get
+bias added p times, a crash, the library's layers, a deadlock, no f; and the red team's cheats: a
+dense copy with allreduces of zeros, a forged order, frame walking, a module written at run time,
+a dir_fd read of the library, zeros of the right size as traffic) and the released stub get
 exactly their expected scores on a subset of the hidden tests that tells them apart (one batch,
 ``--jobs 2``, a fixed seed key).
 """
