@@ -45,6 +45,7 @@ __all__ = [
     "dequantize_nf4",
     "int8_matmul",
     "mixed_int8_matmul",
+    "nf4_block_scales",
     "nf4_code_values",
     "outlier_columns",
     "pack_4bit",
@@ -391,6 +392,39 @@ def bytes_for(n_params: float, fmt: str, *, with_scales: bool = False, **kwargs)
 # --------------------------------------------------------------------------------------------
 
 
+def _int8_linear_forward(
+    x2: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, threshold: float | None
+) -> torch.Tensor:
+    """y = x2 Wᵀ with W = codes * scale (per output row); x2 quantized per row in int8, except
+    (``threshold`` not None) its outlier columns, which multiply the dequantized W columns."""
+    y = torch.zeros(x2.shape[0], codes.shape[0], device=x2.device, dtype=torch.float32)
+    regular = torch.ones(x2.shape[1], dtype=torch.bool, device=x2.device)
+    if threshold is not None:
+        regular[outlier_columns(x2, threshold)] = False
+        w_outliers = dequantize_absmax_int8(codes[:, ~regular], scale)
+        y += (x2[:, ~regular] @ w_outliers.to(x2.dtype).T).float()
+    xq, sx = quantize_absmax_int8(x2[:, regular], dim=-1)
+    y += _int_matmul_rescaled(xq, sx, codes[:, regular].T, scale.T)
+    return y.to(x2.dtype)
+
+
+class _Int8Linear(torch.autograd.Function):
+    """Forward in int8; backward lets the gradient through to x as if x had not been rounded
+    (straight-through): grad_x = grad_y · W, with W dequantized. The weight is frozen (no grad),
+    which is what fine-tuning adapters on top of a quantized model (QLoRA, Petals) needs."""
+
+    @staticmethod
+    def forward(ctx, x2, codes, scale, threshold):  # noqa: ANN001, ANN205
+        ctx.save_for_backward(codes, scale)
+        return _int8_linear_forward(x2, codes, scale, threshold)
+
+    @staticmethod
+    def backward(ctx, grad_y):  # noqa: ANN001, ANN205
+        codes, scale = ctx.saved_tensors
+        w = dequantize_absmax_int8(codes, scale).to(grad_y.dtype)
+        return grad_y @ w, None, None, None
+
+
 class QuantizedLinear(nn.Module):
     """A frozen ``nn.Linear`` whose weight (out, in) is stored in ``fmt``; y = x Wᵀ + b.
 
@@ -453,17 +487,12 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt in ("int8", "int8-mixed"):
+            threshold = self.threshold if self.fmt == "int8-mixed" else None
             lead = x.shape[:-1]
-            x2 = x.reshape(-1, self.in_features)
-            y = torch.zeros(x2.shape[0], self.out_features, device=x.device, dtype=torch.float32)
-            regular = torch.ones(self.in_features, dtype=torch.bool, device=x.device)
-            if self.fmt == "int8-mixed":
-                regular[outlier_columns(x2, self.threshold)] = False
-                w_out = dequantize_absmax_int8(self.weight_codes[:, ~regular], self.weight_scale)
-                y += (x2[:, ~regular] @ w_out.to(x.dtype).T).float()
-            xq, sx = quantize_absmax_int8(x2[:, regular], dim=-1)
-            y += _int_matmul_rescaled(xq, sx, self.weight_codes[:, regular].T, self.weight_scale.T)
-            y = y.reshape(*lead, self.out_features).to(x.dtype)
+            y = _Int8Linear.apply(
+                x.reshape(-1, self.in_features), self.weight_codes, self.weight_scale, threshold
+            )
+            y = y.reshape(*lead, self.out_features)
             return y if self.bias is None else y + self.bias.to(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
@@ -481,6 +510,8 @@ def quantize_linear_weights(model: nn.Module, fmt: str, skip: tuple[str, ...] = 
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; use one of {FORMATS}")
+    if isinstance(model, nn.Linear):
+        raise ValueError("model is itself an nn.Linear: build QuantizedLinear(model, fmt) instead")
     targets = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and n not in skip]
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
