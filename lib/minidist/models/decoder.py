@@ -29,7 +29,15 @@ from torch import nn
 from minidist.models import transformer
 from minidist.models.transformer import Transformer, TransformerConfig
 
-__all__ = ["CONFIGS", "DecoderLM", "CausalLMOutput", "parameter_count", "IGNORE_INDEX"]
+__all__ = [
+    "CONFIGS",
+    "DecoderLM",
+    "CausalLMOutput",
+    "parameter_count",
+    "IGNORE_INDEX",
+    "check_labels",
+    "next_token_loss",
+]
 
 IGNORE_INDEX = -100
 
@@ -80,6 +88,23 @@ def parameter_count(cfg: TransformerConfig) -> int:
     return transformer.parameter_count(cfg)
 
 
+def check_labels(input_ids: torch.Tensor, labels: torch.Tensor) -> None:
+    """Refuse labels that are not the input ids' shape (the shift happens inside the loss)."""
+    if labels.shape != input_ids.shape:
+        raise ValueError(
+            f"labels have shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}: "
+            "pass labels=input_ids (shifted inside), -100 where nothing is predicted"
+        )
+
+
+def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy: position t predicts token t + 1 (labels = input_ids); the
+    last position has no target, and labels of -100 are ignored."""
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX
+    )
+
+
 class CausalLMOutput(NamedTuple):
     """``loss`` (mean next-token cross-entropy; None without labels) and ``logits`` (B, T, V)."""
 
@@ -112,12 +137,6 @@ class DecoderLM(nn.Module):
         logits = F.linear(hidden, self.word_embeddings)
         loss = None
         if labels is not None:
-            if labels.shape != input_ids.shape:
-                raise ValueError(
-                    f"labels have shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}: "
-                    "pass labels=input_ids (shifted inside), -100 where nothing is predicted"
-                )
-            # Position t predicts token t + 1; the last position has no target.
-            shifted_logits = logits[:, :-1].reshape(-1, logits.shape[-1])
-            loss = F.cross_entropy(shifted_logits, labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX)
+            check_labels(input_ids, labels)
+            loss = next_token_loss(logits, labels)
         return CausalLMOutput(loss, logits)

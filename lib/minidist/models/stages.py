@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minidist.models.decoder import IGNORE_INDEX, DecoderLM
+from minidist.models.decoder import DecoderLM, next_token_loss  # noqa: F401  (the last stage's loss_fn)
 from minidist.models.transformer import attention_bias
 
 __all__ = ["DecoderStage", "split_decoder", "next_token_loss", "sync_tied_gradients"]
@@ -107,13 +107,6 @@ def split_decoder(model: DecoderLM, stages: int, chunks: int = 1) -> list:
     if chunks == 1:
         return virtual
     return [nn.ModuleList(virtual[c * stages + r] for c in range(chunks)) for r in range(stages)]
-
-
-def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """DecoderLM's loss: position t predicts token t + 1 (labels = input_ids), mean cross-entropy."""
-    return F.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX
-    )
 
 
 def sync_tied_gradients(stage_modules, comm) -> None:

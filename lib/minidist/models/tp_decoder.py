@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from minidist.models import transformer
-from minidist.models.decoder import IGNORE_INDEX, CausalLMOutput, DecoderLM
+from minidist.models.decoder import IGNORE_INDEX, CausalLMOutput, DecoderLM, check_labels
 from minidist.models.transformer import TransformerConfig
 from minidist.parallel import tensor as tp
 
@@ -167,11 +167,7 @@ class TensorParallelDecoderLM(nn.Module):
         logits = torch.nn.functional.linear(h, self.word_embeddings)  # (B, T, V/p)
         loss = None
         if labels is not None:
-            if labels.shape != input_ids.shape:
-                raise ValueError(
-                    f"labels have shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}: "
-                    "pass labels=input_ids (shifted inside), -100 where nothing is predicted"
-                )
+            check_labels(input_ids, labels)
             loss = tp.vocab_parallel_cross_entropy(
                 logits[:, :-1], labels[:, 1:], self.comm, ignore_index=IGNORE_INDEX
             )
