@@ -380,6 +380,9 @@ def _minidist_imports(path: Path) -> set[str]:
         ("collectives", ("launch", "parallel", "glove", "bench")),
         # training patterns (DDP, TP, pipeline, ZeRO, offload) take models as arguments
         ("parallel", ("models", "memory", "data", "optim", "glove", "bench")),
+        # models are served (lecture 9), never serve themselves; serving is measured by bench
+        ("models", ("serve", "bench")),
+        ("serve", ("bench",)),
     ],
 )
 def test_lower_layers_never_import_higher_ones(folder, forbidden):
