@@ -266,13 +266,25 @@ def test_shape_mismatches_are_refused():
         generate.generate(model, torch.zeros(4, dtype=torch.long), 2)
 
 
-def test_measure_tokens_per_s_reports_a_rate():
+def test_a_cache_with_uneven_layers_is_refused():
+    cache = generate.KVCache(2)
+    cache[0] = (torch.zeros(1, 4, 3, 8), torch.zeros(1, 4, 3, 8))
+    cache[1] = (torch.zeros(1, 4, 2, 8), torch.zeros(1, 4, 2, 8))
+    with pytest.raises(ValueError, match=r"different lengths \[2, 3\]"):
+        _ = cache.length
+    with pytest.raises(ValueError, match="n_layers must be positive"):
+        generate.KVCache(0)
+
+
+def test_measure_tokens_per_s_restores_threads_and_checks_its_input():
     model = tiny_model("learned")
-    for use_cache in (True, False):
-        rate = generate.measure_tokens_per_s(
-            model, prompt_len=4, new_tokens=4, use_cache=use_cache, repeats=1
-        )
-        assert rate > 0
+    before = torch.get_num_threads()
+    rate = generate.measure_tokens_per_s(
+        model, prompt_len=4, new_tokens=4, use_cache=True, repeats=1, threads=1
+    )
+    assert rate > 0 and torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="new_tokens 0"):
+        generate.measure_tokens_per_s(model, prompt_len=4, new_tokens=0, use_cache=False)
 
 
 # --- CUDA -----------------------------------------------------------------------------------------

@@ -21,13 +21,16 @@ and values of all positions seen so far; each step computes q, k, v for the *new
     The MLP, the LayerNorms and the residuals act on each position alone, so they run on
     the new token only as well.
 
-Cost per generated token, for a context of T tokens, d = hidden size, per layer:
+Cost per generated token, for a context of T tokens, d = hidden size, per layer, in FLOPs
+(the counts of ``transformer.py``):
 
     without cache   recompute every position:  24·T·d² (projections, MLP) + 4·T²·d (attention)
     with cache      the new position only:      24·d²                   +  4·T·d
 
 so the attention part goes from O(T²·d) to O(T·d) and the rest from O(T·d²) to O(d²): a
-sequence of n tokens costs O(n²·d) attention work in all instead of O(n³·d).
+sequence of n tokens costs O(n²·d) attention work in all instead of O(n³·d). (Appending with
+``torch.cat`` copies the layer's cache each step, O(T·d) bytes, the same order as reading it
+for attention; serving systems preallocate the cache for the longest sequence instead.)
 
 The price is memory. Per sequence the cache holds a key and a value vector of size d for
 every position of every layer::
@@ -397,10 +400,16 @@ def measure_tokens_per_s(
     batch: int = 1,
     repeats: int = 3,
     seed: int = 0,
+    threads: int | None = None,
 ) -> float:
-    """Generated tokens per second (batch · new_tokens / wall time, best of ``repeats`` after a
-    warm-up) of ``generate`` on a random prompt. For benchmarks and notebooks; compare
-    ``use_cache=True`` and ``False`` side by side on the same machine."""
+    """Generated tokens per second of ``generate`` on a random prompt: batch · new_tokens / wall time,
+    the best of ``repeats`` runs after a warm-up.
+
+    For benchmarks and notebooks: compare ``use_cache=True`` and ``False`` side by side, on the
+    same machine, in the same process. ``threads`` sets torch's intra-op threads for the
+    measurement (restored afterwards): one token's matrices are tiny, and on a machine whose
+    cores are busy, waking several threads per operation can cost more than the arithmetic.
+    """
     if prompt_len < 1 or new_tokens < 1 or repeats < 1 or batch < 1:
         raise ValueError(
             f"prompt_len {prompt_len}, new_tokens {new_tokens}, batch {batch}, repeats {repeats} must be >= 1"
@@ -408,14 +417,20 @@ def measure_tokens_per_s(
     device = model.word_embeddings.device
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(model.cfg.vocab_size, (batch, prompt_len), generator=gen).to(device)
-    generate(model, prompt, min(new_tokens, 2), use_cache=use_cache)  # warm-up
-    best = math.inf
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        generate(model, prompt, new_tokens, use_cache=use_cache)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
+    threads_before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        generate(model, prompt, min(new_tokens, 2), use_cache=use_cache)  # warm-up
+        best = math.inf
+        for _ in range(repeats):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            generate(model, prompt, new_tokens, use_cache=use_cache)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads_before)
     return batch * new_tokens / best
