@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from minidist import quant
 from minidist.models import generate
@@ -218,6 +219,17 @@ def test_kv_cache_bytes_of_the_175b_models_match_the_docstring_table():
     assert opt == 2 * 96 * 2048 * 12288 * 2
     assert bloom == 2 * 70 * 2048 * 14336 * 2
     assert f"{opt:,}" in generate.__doc__ and f"{bloom:,}" in generate.__doc__
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("position,prompt_len", [("learned", 1), ("alibi", 5)])
+def test_generation_flops_equal_torch_flop_counter(use_cache, position, prompt_len):
+    """torch's FlopCounterMode counts every matrix product the run actually executes."""
+    model = tiny_model(position)
+    with FlopCounterMode(display=False) as counter:
+        generate.generate(model, random_ids(2, prompt_len), 7, use_cache=use_cache)
+    expected = generate.generation_flops(model.cfg, prompt_len, 7, use_cache, batch=2)
+    assert counter.get_total_flops() == expected
 
 
 # --- errors ---------------------------------------------------------------------------------------

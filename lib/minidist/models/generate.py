@@ -55,6 +55,9 @@ Functions, from the inside out (each one a step of the full forward, for new tok
     decoder_step     a whole DecoderLM: new ids -> logits, the model's KVCache updated
     generate         greedy decoding, with or without the cache (same tokens either way)
 
+and the accounting: ``kv_cache_bytes`` (the memory price), ``generation_flops`` (the work
+saved, counted exactly as torch's FlopCounterMode counts it) and ``measure_tokens_per_s``.
+
 Everything calls the model's own submodules (``attn.query(x)``, never ``attn.query.weight``),
 so a model whose Linear layers were swapped for ``quant.QuantizedLinear`` decodes the same way.
 
@@ -91,6 +94,7 @@ __all__ = [
     "decoder_step",
     "generate",
     "kv_cache_bytes",
+    "generation_flops",
     "measure_tokens_per_s",
 ]
 
@@ -107,6 +111,41 @@ def kv_cache_bytes(cfg: TransformerConfig, batch: int, seq: int, bytes_per_value
     if min(batch, seq, bytes_per_value) < 0:
         raise ValueError(f"batch {batch}, seq {seq} and bytes_per_value {bytes_per_value} must be >= 0")
     return 2 * cfg.n_layers * batch * seq * cfg.hidden_size * bytes_per_value
+
+
+def generation_flops(
+    cfg: TransformerConfig, prompt_len: int, new_tokens: int, use_cache: bool, batch: int = 1
+) -> int:
+    """Matrix-multiply FLOPs (2 per multiply-add) of ``generate(model, prompt, new_tokens, use_cache)``.
+
+    Per layer, a position costs ``2·(4d² + 2·d·f)`` in its projections and MLP and ``4·K·d`` in
+    attention over K keys (Q·Kᵀ and weights·V); the tied head ``2·d·V`` per position. The
+    forward on T tokens computes all T² scores (the causal mask zeroes half after the fact).
+
+        without cache   step k runs the full forward on T = prompt + k tokens, k = 0..n-1
+        with cache      the prompt's forward once, then n-1 steps of one token over t+1 keys
+
+    LayerNorms, GELU and softmax are not counted (they are O(T·d), not matrix products).
+    """
+    if min(prompt_len, new_tokens, batch) < 0 or prompt_len < 1:
+        raise ValueError(
+            f"prompt_len {prompt_len} must be >= 1, new_tokens {new_tokens} and batch {batch} >= 0"
+        )
+    d, f, n_layers, vocab = cfg.hidden_size, cfg.ffn_size, cfg.n_layers, cfg.vocab_size
+
+    def forward_flops(new: int, past: int) -> int:
+        """``new`` positions after ``past`` cached ones: new queries over past + new keys."""
+        per_layer = new * 2 * (4 * d * d + 2 * d * f) + 4 * new * (past + new) * d
+        return n_layers * per_layer + 2 * new * d * vocab
+
+    if new_tokens == 0:
+        return 0
+    if use_cache:
+        total = forward_flops(prompt_len, 0)
+        total += sum(forward_flops(1, past) for past in range(prompt_len, prompt_len + new_tokens - 1))
+    else:
+        total = sum(forward_flops(prompt_len + k, 0) for k in range(new_tokens))
+    return batch * total
 
 
 class KVCache:
