@@ -1,0 +1,279 @@
+"""Streamed inference (minidist.serve.offload): equal to the in-memory DecoderLM, blocks released, RSS in budget.
+
+References: ``DecoderLM.forward`` and ``generate.generate`` on the whole model in memory (the
+same weights, read with ``shards.load_decoder``); the parameter-count formula for the budget;
+the process's peak resident memory (VmHWM) measured in child processes, against a control that
+keeps every block (and one that loads the whole model).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from minidist.models import generate as gen
+from minidist.models import shards
+from minidist.models.decoder import DecoderLM
+from minidist.models.transformer import TransformerConfig
+from minidist.serve import offload
+from minidist.serve.offload import BlockLoadError, StreamedDecoder
+
+
+def tiny_config(position: str = "learned", n_layers: int = 4) -> TransformerConfig:
+    return TransformerConfig(
+        vocab_size=97,
+        hidden_size=32,
+        n_layers=n_layers,
+        n_heads=4,
+        max_positions=32,
+        causal=True,
+        pre_ln=True,
+        position=position,
+        embedding_layernorm=position == "alibi",
+        layer_norm_eps=1e-5,
+    )
+
+
+def save(tmp_path, cfg: TransformerConfig, blocks_per_shard: int = 1, seed: int = 0):
+    torch.manual_seed(seed)
+    model = DecoderLM(cfg).eval()
+    directory = tmp_path / f"ck-{cfg.position}-{blocks_per_shard}"
+    shards.save_sharded(model, directory, blocks_per_shard=blocks_per_shard)
+    return model, directory
+
+
+def loader_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "minidist-block-loader"]
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    return save(tmp_path, tiny_config())
+
+
+# --- equality with the in-memory model ------------------------------------------------------
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("position, blocks_per_shard", [("learned", 1), ("learned", 3), ("alibi", 2)])
+def test_forward_equals_the_in_memory_model(tmp_path, prefetch, position, blocks_per_shard):
+    model, directory = save(tmp_path, tiny_config(position, n_layers=5), blocks_per_shard)
+    ids = torch.randint(97, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(ids).logits
+    with StreamedDecoder(directory, prefetch=prefetch) as streamed:
+        logits = streamed(ids)
+        assert torch.equal(logits, expected)  # the same operations in the same order
+        assert streamed.blocks_read == 5
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_generate_equals_generate_with_and_without_cache(checkpoint, prefetch):
+    model, directory = checkpoint
+    prompt = torch.randint(97, (3, 5), generator=torch.Generator().manual_seed(2))
+    expected = gen.generate(model, prompt, 9, use_cache=False)
+    assert torch.equal(expected, gen.generate(model, prompt, 9, use_cache=True))
+    with StreamedDecoder(directory, prefetch=prefetch) as streamed:
+        out = streamed.generate(prompt, 9)
+        assert torch.equal(out, expected)
+        assert streamed.blocks_read == 9 * 4  # one pass for the prompt, one per later token
+        assert torch.equal(streamed.generate(prompt, 0), prompt)
+
+
+def test_prefetch_on_and_off_agree_and_dtype_converts(checkpoint):
+    model, directory = checkpoint
+    ids = torch.randint(97, (1, 16), generator=torch.Generator().manual_seed(3))
+    with StreamedDecoder(directory, prefetch=True) as a, StreamedDecoder(directory, prefetch=False) as b:
+        assert torch.equal(a(ids), b(ids))
+    with StreamedDecoder(directory, dtype=torch.float64) as wide:
+        with torch.no_grad():
+            expected = model.double()(ids).logits
+        out = wide(ids)
+        assert out.dtype == torch.float64 and torch.equal(out, expected)
+
+
+# --- release: at most two blocks, none after a pass ------------------------------------------
+def test_at_most_two_blocks_exist_and_none_after_a_pass(checkpoint):
+    _, directory = checkpoint
+    ids = torch.randint(97, (1, 8))
+    with StreamedDecoder(directory, prefetch=True) as streamed:
+        streamed.generate(ids, 3)
+        assert streamed.max_live_blocks == 2  # the one computing and the one being read
+        assert streamed.live_blocks() == 0
+    with StreamedDecoder(directory, prefetch=False) as streamed:
+        streamed(ids)
+        assert streamed.max_live_blocks == 1
+        assert streamed.live_blocks() == 0
+
+
+def test_budget_matches_the_parameter_formula(checkpoint):
+    _, directory = checkpoint
+    cfg = tiny_config()
+    d, v, p = cfg.hidden_size, cfg.vocab_size, cfg.max_positions
+    block = 4 * (12 * d * d + 13 * d)  # fp32
+    resident = 4 * (v * d + p * d + 2 * d)  # word table (tied head), positions, final norm
+    assert offload.block_bytes(directory) == [block] * cfg.n_layers
+    assert offload.resident_bytes(directory) == resident
+    assert offload.budget_bytes(directory) == resident + 2 * block
+    assert offload.checkpoint_bytes(directory) > resident + cfg.n_layers * block  # plus headers, index
+
+
+# --- errors: clear messages, never a hang, no thread left ------------------------------------
+def test_missing_shard_is_refused_at_construction(checkpoint):
+    _, directory = checkpoint
+    (directory / shards.shard_name(3, 6)).unlink()
+    with pytest.raises(FileNotFoundError, match="model-00003-of-00006"):
+        StreamedDecoder(directory)
+    assert not loader_threads()
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_shard_lost_during_a_run_names_the_block(checkpoint, prefetch):
+    _, directory = checkpoint
+    with StreamedDecoder(directory, prefetch=prefetch) as streamed:
+        (directory / shards.shard_name(4, 6)).unlink()  # block 2's shard (shard 1 is the embeddings)
+        with pytest.raises(BlockLoadError, match="block 2") as info:
+            streamed(torch.randint(97, (1, 4)))
+        assert info.value.index == 2
+        assert streamed.live_blocks() == 0
+    assert not loader_threads()
+
+
+def test_an_error_in_the_loader_thread_reaches_the_caller_and_the_model_recovers(checkpoint, monkeypatch):
+    model, directory = checkpoint
+    real = shards.load_block
+
+    def failing(directory, i, *args, **kwargs):
+        if i == 1:
+            raise OSError("disk on fire")
+        return real(directory, i, *args, **kwargs)
+
+    ids = torch.randint(97, (1, 6))
+    with StreamedDecoder(directory, prefetch=True) as streamed:
+        monkeypatch.setattr(shards, "load_block", failing)
+        with pytest.raises(BlockLoadError, match="block 1.*disk on fire") as info:
+            streamed(ids)
+        assert isinstance(info.value.__cause__, OSError)
+        monkeypatch.setattr(shards, "load_block", real)
+        with torch.no_grad():
+            assert torch.equal(streamed(ids), model(ids).logits)  # the thread kept serving
+        assert streamed.live_blocks() == 0
+
+
+def test_a_read_slower_than_the_timeout_raises_and_its_late_block_is_dropped(checkpoint, monkeypatch):
+    model, directory = checkpoint
+    real, gate = shards.load_block, threading.Event()
+
+    def slow(directory, i, *args, **kwargs):
+        if i == 2 and not gate.is_set():
+            gate.wait(5)
+        return real(directory, i, *args, **kwargs)
+
+    ids = torch.randint(97, (1, 6))
+    with StreamedDecoder(directory, prefetch=True, load_timeout=0.3) as streamed:
+        monkeypatch.setattr(shards, "load_block", slow)
+        with pytest.raises(TimeoutError, match="block 2"):
+            streamed(ids)
+        gate.set()  # the late block 2 arrives now; the next pass must not take it for block 0
+        with torch.no_grad():
+            assert torch.equal(streamed(ids), model(ids).logits)
+
+
+def test_close_stops_the_thread_and_bad_input_is_refused(checkpoint):
+    _, directory = checkpoint
+    before = len(loader_threads())
+    streamed = StreamedDecoder(directory, prefetch=True)
+    assert len(loader_threads()) == before + 1 and loader_threads()[-1].daemon
+    with pytest.raises(ValueError, match="batch, seq_len"):
+        streamed(torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="32"):
+        streamed.generate(torch.zeros(1, 30, dtype=torch.long), 5)  # 35 positions > 32
+    streamed.close()
+    streamed.close()  # idempotent
+    assert len(loader_threads()) == before
+    with pytest.raises(RuntimeError, match="closed"):
+        streamed(torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="no checkpoint index"):
+        StreamedDecoder(directory / "nowhere")
+
+
+# --- resident memory, measured in child processes --------------------------------------------
+def measured(directory, mode: str) -> dict:
+    result = offload.measure_rss(directory, mode, prompt_len=8, new_tokens=4, repeats=1, timeout=180)
+    if "error" in result:
+        pytest.skip(result["error"])
+    return result
+
+
+@pytest.mark.slow
+def test_peak_rss_stays_within_the_budget(tmp_path):
+    """A 53 MB checkpoint (16 blocks of 3.2 MB, a 2 MB resident part) runs in 8.5 MB of weights.
+
+    Bound: peak RSS growth <= budget + the compute overhead + THREAD_SLACK_BYTES, where the
+    compute overhead (activations, logits, KV cache) is measured on the same generation with the
+    whole model in memory. Controls: the in-memory model, and a streamed run that keeps each
+    block after use (so the mapped pages stay resident), both exceed the bound by far.
+    """
+    cfg = offload.demo_config(hidden=256, n_layers=16, vocab=2048, positions=64)
+    directory = offload.write_random_checkpoint(tmp_path / "ck", cfg, timeout=180)
+    budget = offload.budget_bytes(directory)
+    assert offload.checkpoint_bytes(directory) >= 4 * budget
+
+    in_memory = measured(directory, "in_memory")
+    bound = budget + in_memory["compute_overhead"] + offload.THREAD_SLACK_BYTES
+    assert in_memory["peak_growth"] > bound, (in_memory, bound)  # the control: the model does not fit
+
+    for mode in ("prefetch", "no_prefetch"):
+        streamed = measured(directory, mode)
+        assert streamed["peak_growth"] <= bound, (mode, streamed, bound)
+        assert streamed["ids"] == in_memory["ids"]
+        assert streamed["max_live_blocks"] == (2 if mode == "prefetch" else 1)
+
+    held = measured(directory, "hold")  # every block kept: released pages are what kept the RSS down
+    assert held["peak_growth"] > bound, (held, bound)
+    assert held["peak_growth"] >= 0.9 * sum(offload.block_bytes(directory))
+    assert held["ids"] == in_memory["ids"]
+
+
+def test_measure_streaming_reports_every_run(tmp_path):
+    _, directory = save(tmp_path, tiny_config())
+    result = offload.measure_streaming(directory, prompt_len=4, new_tokens=2, repeats=1, timeout=180)
+    if "error" in result:
+        pytest.skip(result["error"])
+    assert result["same_output"]
+    assert result["budget_bytes"] == offload.budget_bytes(directory)
+    for mode in ("prefetch", "no_prefetch", "in_memory"):
+        assert result[mode]["tokens_per_s"] > 0
+    assert result["ratio_vs_in_memory"] == pytest.approx(
+        result["prefetch"]["tokens_per_s"] / result["in_memory"]["tokens_per_s"]
+    )
+    with pytest.raises(ValueError, match="positions"):
+        offload.measure_streaming(directory, prompt_len=30, new_tokens=5)
+    with pytest.raises(ValueError, match="mode"):
+        offload.measure_rss(directory, "sideways")
+
+
+# --- CUDA: blocks streamed to the GPU -----------------------------------------------------------
+@pytest.mark.gpu
+def test_blocks_stream_to_cuda(tmp_path):
+    model, directory = save(tmp_path, tiny_config(n_layers=6))
+    model = model.cuda()
+    ids = torch.randint(97, (2, 10), generator=torch.Generator().manual_seed(4)).cuda()
+    with torch.no_grad():
+        expected = model(ids).logits
+    expected_ids = gen.generate(model, ids, 6)
+    del model
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    with StreamedDecoder(directory, prefetch=True, device="cuda") as streamed:
+        logits = streamed(ids)
+        assert logits.device.type == "cuda"
+        torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
+        assert torch.equal(streamed.generate(ids, 6), expected_ids)
+        assert streamed.max_live_blocks == 2 and streamed.live_blocks() == 0
+    blocks = sorted(offload.block_bytes(directory))
+    weights_peak = offload.resident_bytes(directory) + sum(blocks[-2:])
+    assert torch.cuda.max_memory_allocated() - start < weights_peak + (4 << 20)  # + activations
+    assert torch.cuda.max_memory_allocated() - start < sum(blocks)  # never the whole model
