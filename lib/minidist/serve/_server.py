@@ -39,7 +39,7 @@ import torch
 
 from minidist import quant
 from minidist.launch import _die_with_parent, _release_fork_server
-from minidist.models import generate, shards
+from minidist.models import generate, lora, shards
 from minidist.serve import _wire
 
 LORA_TARGETS = ("query", "key", "value", "output")
@@ -52,6 +52,8 @@ class SpanServer:
         self.cfg = shards.read_index(directory).config
         self.start, self.end, self.fmt = start, end, fmt
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.blocks = []
         for i in range(start, end):
             block = shards.load_block(directory, i, device=self.device)
@@ -77,8 +79,6 @@ class SpanServer:
     @contextlib.contextmanager
     def _lora_hooks(self, adapters: dict | None, a: int, b: int):
         """Add ``lora_delta(x, A, B, scale)`` to the outputs of the projections named in ``adapters``."""
-        from minidist.models import lora  # noqa: PLC0415
-
         handles = []
         try:
             for i in range(a, b):
