@@ -335,3 +335,26 @@ def test_memory_table_bloom_matches_hand_computed_bytes():
     assert rows["nf4"]["gpus"] == 2 and rows["fp16"]["gpus"] == 5
     text = lora.format_memory_table(list(rows.values()))
     assert "LoRA, nf4" in text and "32,112,640" in text
+
+
+def test_adapters_of_and_load_adapters_round_trip_in_the_swarm_format():
+    model = tiny_decoder()
+    lora.apply_lora(model, rank=4, alpha=8.0)
+    randomize_adapters(model)
+    adapters = lora.adapters_of(model, clone=True)
+    assert adapters["scale"] == 2.0 and sorted(k for k in adapters if k != "scale") == [0, 1]
+    assert adapters[1]["value"][1].is_leaf and adapters[1]["value"][1].requires_grad
+    assert torch.equal(adapters[1]["value"][1], model.transformer.blocks[1].attention.value.B)
+    x = ids()
+    expected = model(x).logits
+    other = tiny_decoder()
+    torch.manual_seed(9)
+    lora.apply_lora(other, rank=4, alpha=8.0)
+    lora.load_adapters(other, adapters)
+    assert torch.equal(other(x).logits, expected)
+    with pytest.raises(ValueError, match="same targets"):
+        lora.load_adapters(other, {0: adapters[0], "scale": 2.0})
+    mismatched = tiny_decoder()
+    lora.apply_lora(mismatched, targets=("query",), rank=4, alpha=8.0)
+    with pytest.raises(ValueError, match="same targets"):
+        lora.load_adapters(mismatched, adapters)

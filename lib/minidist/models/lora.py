@@ -62,11 +62,13 @@ from minidist.quant import QuantizedLinear, bytes_for
 __all__ = [
     "LoRALinear",
     "PromptTuning",
+    "adapters_of",
     "apply_lora",
     "finetune",
     "format_memory_table",
     "lora_delta",
     "lora_parameter_count",
+    "load_adapters",
     "lora_parameters",
     "memory_table",
     "merge_lora",
@@ -219,6 +221,59 @@ def merge_lora(model: nn.Module) -> list[str]:
     return [name for name, _ in adapted]
 
 
+def _adapted_blocks(model: nn.Module) -> list[tuple[int, str, LoRALinear]]:
+    """(block index, target, module) for every LoRALinear under ``transformer.blocks.{i}``."""
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            parts = name.split(".")
+            if "blocks" not in parts:
+                raise ValueError(f"LoRALinear {name!r} is not inside a transformer block")
+            out.append((int(parts[parts.index("blocks") + 1]), parts[-1], m))
+    if not out:
+        raise ValueError("the model has no LoRALinear modules: call apply_lora first")
+    return out
+
+
+def adapters_of(model: nn.Module, clone: bool = False) -> dict:
+    """The model's adapters in the swarm's format: ``{block: {target: (A, B)}, "scale": s}``.
+
+    This is what ``serve.swarm.Client.forward(adapters=...)`` takes (attention targets only).
+    ``clone=False`` returns the model's own parameters; ``clone=True`` fresh leaf copies that
+    require grad (to train the same starting adapters elsewhere, e.g. through a swarm).
+    """
+    adapted = _adapted_blocks(model)
+    scales = {m.scale for _, _, m in adapted}
+    if len(scales) != 1:
+        raise ValueError(f"the adapters use different scales {sorted(scales)}; the swarm format has one")
+    out: dict = {"scale": scales.pop()}
+    for block, target, m in adapted:
+        A, B = m.A, m.B
+        if clone:
+            A, B = (t.detach().clone().requires_grad_(True) for t in (A, B))
+        out.setdefault(block, {})[target] = (A, B)
+    return out
+
+
+def load_adapters(model: nn.Module, adapters: dict) -> None:
+    """Copy ``{block: {target: (A, B)}, "scale": s}`` (e.g. trained through a swarm) into the
+    model's LoRALinear modules, which must exist with the same shapes and scale (``apply_lora``)."""
+    modules = {(block, target): m for block, target, m in _adapted_blocks(model)}
+    wanted = {(k, t) for k, targets in adapters.items() if k != "scale" for t in targets}
+    if wanted != set(modules):
+        raise ValueError(
+            f"adapters cover {sorted(wanted)}, the model has LoRA at {sorted(modules)}: "
+            "call apply_lora with the same targets"
+        )
+    for (block, target), m in modules.items():
+        if not math.isclose(m.scale, float(adapters["scale"])):
+            raise ValueError(f"adapters have scale {adapters['scale']}, the model's LoRA {m.scale}")
+        A, B = adapters[block][target]
+        with torch.no_grad():
+            m.A.copy_(A)
+            m.B.copy_(B)
+
+
 def target_shapes(cfg: TransformerConfig) -> dict[str, tuple[int, int]]:
     """(in, out) of each linear layer of one transformer block, by its attribute name."""
     d, f = cfg.hidden_size, cfg.ffn_size
@@ -352,6 +407,11 @@ def prompt_forward(
 # --------------------------------------------------------------------------------------------
 
 
+def _split_batch(batch: torch.Tensor | tuple | list) -> tuple[torch.Tensor, torch.Tensor]:
+    """``input_ids`` (labels = input_ids) or ``(input_ids, labels)`` -> (input_ids, labels)."""
+    return tuple(batch) if isinstance(batch, tuple | list) else (batch, batch)
+
+
 def _cycle(batches: Iterable) -> Iterator:
     items = list(batches)
     if not items:
@@ -385,7 +445,7 @@ def finetune(
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     losses = []
     for _, batch in zip(range(steps), _cycle(batches), strict=False):
-        input_ids, labels = batch if isinstance(batch, tuple | list) else (batch, batch)
+        input_ids, labels = _split_batch(batch)
         if prompt is None:
             loss = model(input_ids, labels=labels).loss
         else:
