@@ -13,6 +13,7 @@ Modules: ``corpus`` (article text and the held-out split), ``tokenizer`` (WordPi
 """
 
 from minidist.data.corpus import HELD_OUT_EVERY, clean_wiki_text, corpus_articles
+from minidist.data.lm import lm_dataset, pack_causal_blocks
 from minidist.data.mlm import IGNORE_INDEX, MaskedBatch, mask_tokens, mlm_dataset, pack_blocks
 from minidist.data.sampler import DistributedSampler
 from minidist.data.tokenizer import (
@@ -33,10 +34,12 @@ __all__ = [
     "MaskedBatch",
     "clean_wiki_text",
     "corpus_articles",
+    "lm_dataset",
     "load_tokenizer",
     "mask_tokens",
     "mlm_dataset",
     "pack_blocks",
+    "pack_causal_blocks",
     "special_token_ids",
     "tokenizer_from_vocab",
     "tokenizer_path",
