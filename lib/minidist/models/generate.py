@@ -31,6 +31,9 @@ so the attention part goes from O(T²·d) to O(T·d) and the rest from O(T·d²)
 sequence of n tokens costs O(n²·d) attention work in all instead of O(n³·d). (Appending with
 ``torch.cat`` copies the layer's cache each step, O(T·d) bytes, the same order as reading it
 for attention; serving systems preallocate the cache for the longest sequence instead.)
+Measured speed-ups are smaller than the FLOP ratio (``generation_flops``) at batch 1: a step
+is a few tiny matrix products, so its time goes to per-operation overhead and to reading
+every weight once per token. Larger batches share those reads and come closer.
 
 The price is memory. Per sequence the cache holds a key and a value vector of size d for
 every position of every layer::
