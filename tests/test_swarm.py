@@ -194,14 +194,19 @@ def test_stuck_server_times_out_and_is_killed(checkpoint):
             swarm.Client(sw).generate(prompt_ids(), 2)
 
 
-def test_int8_servers_equal_the_local_int8_model(checkpoint):
+@pytest.mark.parametrize("fmt", ["int8", "nf4"])
+def test_quantized_servers_equal_the_local_quantized_model(checkpoint, fmt):
     directory, _ = checkpoint
-    local = quant.quantize_linear_weights(shards.load_decoder(directory), "int8").eval()
+    local = quant.quantize_linear_weights(shards.load_decoder(directory), fmt).eval()
     ids = prompt_ids(seed=5)
-    with swarm.Swarm(directory, [(0, 2), (2, 4)], fmt="int8", timeout=30) as sw:
+    with swarm.Swarm(directory, [(0, 2), (2, 4)], fmt=fmt, timeout=30) as sw:
         client = swarm.Client(sw)
         assert torch.equal(client.generate(ids, 10), generate.generate(local, ids, 10))
-        assert all(info["fmt"] == "int8" for info in sw.info)
+        assert all(info["fmt"] == fmt for info in sw.info)
+        # the bytes each server holds: those of the same blocks quantized here (fp32 would be 4x int8's)
+        for info, blocks in zip(sw.info, (local.transformer.blocks[:2], local.transformer.blocks[2:])):
+            held = sum(t.numel() * t.element_size() for b in blocks for t in (*b.parameters(), *b.buffers()))
+            assert info["weight_bytes"] == held
         hidden = client.embed(ids)
         with torch.no_grad():
             expected = local_blocks(local, hidden, None)
@@ -329,6 +334,21 @@ def test_lm_forward_equals_the_model_and_local_prompt_tuning(checkpoint):
     torch.testing.assert_close(tuned.logits, local.logits, rtol=0, atol=1e-5)
     torch.testing.assert_close(tuned.loss, local.loss, rtol=0, atol=1e-5)
     torch.testing.assert_close(grad, expected_grad, rtol=0, atol=1e-5)
+
+
+def test_measure_throughput_rows(checkpoint):
+    directory, _ = checkpoint
+    result = swarm.measure_throughput(
+        directory, servers=(2, 3), prompt_len=4, new_tokens=3, repeats=1, timeout=60
+    )
+    rows = {(r["setup"], r["use_cache"]): r for r in result["rows"]}
+    assert set(rows) == {(s, c) for s in ("local", "2 servers", "3 servers") for c in (True, False)}
+    assert all(r["same_tokens"] and r["tokens_per_s"] > 0 for r in rows.values())
+    assert rows["local", True]["vs_local"] == 1.0 and rows["local", True]["bytes_per_token"] == 0
+    for setup in ("2 servers", "3 servers"):  # bytes are counted, not timed: the cache sends less
+        assert 0 < rows[setup, True]["bytes_per_token"] < rows[setup, False]["bytes_per_token"]
+    assert rows["2 servers", True]["bytes_per_token"] < rows["3 servers", True]["bytes_per_token"]
+    assert "| 3 servers | no |" in swarm.format_throughput(result)
 
 
 # --- processes --------------------------------------------------------------------------------
