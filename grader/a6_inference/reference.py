@@ -84,9 +84,9 @@ def int8_quantize_check(what: str, spec: dict):
     def check(report: dict) -> None:
         w = workers.weights(spec)
         codes, scale, tie = int8_reference(w)
+        got = _tensor(f"{what}: the codes", report["codes"], torch.int8, w.shape).long()
         got_scale = _tensor(f"{what}: the scale", report["scale"], torch.float32, scale.shape)
         _close(f"{what}: the scale (one per row, max |w| / 127)", got_scale, scale, atol=1e-12, rtol=1e-6)
-        got = _tensor(f"{what}: the codes", report["codes"], torch.int8, w.shape).long()
         wrong = (got != codes.long()) & ~(tie & ((got - codes.long()).abs() == 1))
         if wrong.any():
             raise AssertionError(
@@ -341,7 +341,7 @@ def attention_cache_check(what: str, spec: dict):
                 f"{what}: the past {name} at the front of the cache",
                 got[:, :, :p],
                 past[index],
-                atol=0,
+                atol=1e-12,
                 rtol=0,
             )
 

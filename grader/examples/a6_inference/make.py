@@ -1,0 +1,249 @@
+"""Write example submissions of assignment 6, as an instructor would download them.
+
+``python -m grader.examples.a6_inference.make OUT`` writes, into OUT (each a folder with
+``inference.py``):
+
+* ``alice``: correct (the solution);
+* ``bob``: tasks 1 and 2 only (int8 and the packing); NF4, attention and generation still raise
+  ``NotImplementedError``: keeps the int8 and packing points, nothing else;
+* ``carol``: tasks 1-4; ``decoder_step`` and ``generate`` not written: loses the generation tests;
+* ``dave``: packs the first code of a pair in the *low* four bits (and unpacks the same way):
+  his NF4 round trip is right and his memory exact, but the bytes are not the format's -- loses
+  the packing test, the NF4 codes (the grader unpacks them) and the dequantization of the
+  grader's bytes;
+* ``erin``: ``generate`` recomputes the whole sequence at every step, cache or not: the tokens
+  are right, but each projection sees the whole sequence again -- loses the cache-use test;
+* ``frank``: hands NF4 to the library (``minidist.quant``): refused at intake, status ``forbidden``.
+
+The red team's cheats, each graded to nothing for what it cheats on:
+
+* ``fp32_inside``: ``quantize_nf4`` keeps the fp32 weights in the returned object (an extra
+  attribute) and ``dequantize_nf4`` returns them: "perfect" accuracy at 8.5 bits a weight. The
+  grader measures every tensor reachable from the object, and the round trip must give the
+  values the codes hold, not the original: loses the NF4 memory and round-trip tests;
+* ``hidden_storage``: the packed bytes are a view of a larger buffer that also holds the fp32
+  weights (``numel`` and ``nbytes`` look right); ``dequantize_nf4`` reads them back through the
+  storage. The grader counts each tensor's whole storage: loses the same tests;
+* ``int8_float``: ``quantize_int8`` returns the weights themselves as "codes" (float32) with
+  scales of 1: exact, and four times the memory: loses the int8 codes and memory tests;
+* ``frame_walk``: reaches the grader's frames through a traceback: refused at intake;
+* ``fused_attention``: ``attention_step`` with ``F.scaled_dot_product_attention``: refused at
+  intake.
+
+``LOST`` lists the hidden tests each one fails; ``EXPECTED`` holds the status and score each
+must get on all the hidden tests (``expected_score`` for a subset). The submissions are generated
+from ``solutions/`` (so they follow the assignment when it changes); nothing here is committed
+but this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from pathlib import Path
+
+import pytest
+
+from grader.examples.a1_collectives.make import write
+from grader.examples.a5_model_parallel.make import edit, replace_region
+
+with warnings.catch_warnings():  # `points` is registered by grader/a6_inference/conftest.py only
+    warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
+    from grader.a6_inference import grading
+
+ROOT = Path(__file__).resolve().parents[3]
+FOLDER, STUB_FOLDER = ROOT / "solutions" / "a6_inference", ROOT / "assignments" / "a6_inference"
+FILES = grading.STUDENT_FILES  # ("inference.py",)
+
+_ALL = tuple(t.name for t in grading.graded_tests(0))
+
+
+def _named(*prefixes: str) -> tuple[str, ...]:
+    return tuple(name for name in _ALL if name.startswith(prefixes))
+
+
+_INT8 = _named("test_int8_")
+_NF4 = _named("test_nf4_")
+_ATTENTION = _named("test_attention_")
+_GENERATE = _named("test_generate_")
+
+#: student -> (status, the hidden tests it loses)
+LOST = {
+    "alice": ("ok", ()),
+    "bob": ("ok", _NF4 + _ATTENTION + _GENERATE),
+    "carol": ("ok", _GENERATE),
+    "dave": ("ok", ("test_pack_4bit", *_named("test_nf4_quantize["), "test_nf4_dequantize")),
+    "erin": ("ok", ("test_generate_uses_the_cache",)),
+    "frank": ("forbidden", _ALL),
+    # --- cheats
+    "fp32_inside": ("ok", (*_named("test_nf4_memory["), "test_nf4_round_trip")),
+    "hidden_storage": ("ok", (*_named("test_nf4_memory["), "test_nf4_round_trip")),
+    "int8_float": ("ok", (*_named("test_int8_quantize["), "test_int8_memory")),
+    "frame_walk": ("forbidden", _ALL),
+    "fused_attention": ("forbidden", _ALL),
+}
+
+
+def expected_score(student: str, tests: list[str] | None = None) -> float:
+    """The points ``student`` must get on ``tests`` (default: every hidden test)."""
+    points = {t.name: t.points for t in grading.graded_tests(0)}
+    tests = list(points) if tests is None else tests
+    return sum(points[name] for name in tests if name not in LOST[student][1])
+
+
+#: student -> (status, score on every hidden test)
+EXPECTED = {student: (status, expected_score(student)) for student, (status, _) in LOST.items()}
+
+
+def begin(task: int, function: str, indent: str = "    ") -> str:
+    return f"{indent}### BEGIN SOLUTION TODO(task {task}): write {function}\n"
+
+
+def unwritten(source: str, task: int, function: str) -> str:
+    """``source`` with ``function``'s solution region as the stub has it."""
+    body = f'    raise NotImplementedError("TODO(task {task}): write {function}")\n'
+    return replace_region(source, begin(task, function), body)
+
+
+#: dave's nibbles, the other way round (consistently: his own round trip works)
+LOW_FIRST_PACK = (
+    "    return (pairs[:, 0] * 16 + pairs[:, 1]).to(torch.uint8)\n",
+    "    return (pairs[:, 0] + pairs[:, 1] * 16).to(torch.uint8)\n",
+)
+LOW_FIRST_UNPACK = (
+    "    return torch.stack([flat // 16, flat % 16], dim=1).reshape(-1)\n",
+    "    return torch.stack([flat % 16, flat // 16], dim=1).reshape(-1)\n",
+)
+
+#: erin: the whole sequence at every step, whatever use_cache says
+RECOMPUTE = """    ids = input_ids
+    for _ in range(max_new_tokens):
+        logits, _ = decoder_step(model, ids)  # simpler: no cache to keep in sync
+        ids = torch.cat([ids, logits[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+    return ids
+"""
+
+FRANK_IMPORT = "from minidist import quant as library\n"
+FRANK_NF4 = """    return library.quantize_nf4(w, block=block, double_quant=False)
+"""
+
+FP32_INSIDE_QUANTIZE = (
+    "    return NF4Weight(pack_4bit(codes), absmax, tuple(w.shape), block)\n",
+    """    q = NF4Weight(pack_4bit(codes), absmax, tuple(w.shape), block)
+    q.original = w.detach().float().clone()  # "for accuracy"
+    return q
+""",
+)
+FP32_INSIDE_DEQUANTIZE = """    if hasattr(q, "original"):
+        return q.original.reshape(q.shape)
+"""
+
+HIDDEN_QUANTIZE = (
+    "    return NF4Weight(pack_4bit(codes), absmax, tuple(w.shape), block)\n",
+    """    packed = pack_4bit(codes)
+    offset = -(-packed.numel() // 4) * 4
+    exact = w.detach().float().reshape(-1).view(torch.uint8)
+    gap = torch.zeros(offset - packed.numel(), dtype=torch.uint8)
+    buffer = torch.cat([packed, gap, exact])  # the weights behind the codes
+    return NF4Weight(buffer[: packed.numel()], absmax, tuple(w.shape), block)
+""",
+)
+HIDDEN_DEQUANTIZE = """    full = torch.empty(0, dtype=torch.uint8).set_(q.packed.untyped_storage())
+    if full.numel() > q.packed.numel():
+        offset = -(-q.packed.numel() // 4) * 4
+        return full[offset:].view(torch.float32)[: math.prod(q.shape)].reshape(q.shape)
+"""
+
+INT8_FLOAT = """    w32 = w.float()
+    return w32, torch.ones(*w32.shape[:-1], 1)  # "codes" that lose nothing
+"""
+
+#: the grader's variables through a traceback's frames
+FRAME_WALK = """    import sys
+
+    try:
+        raise RuntimeError
+    except RuntimeError:
+        frame = sys.exc_info()[2].tb_frame.f_back
+    spec = frame.f_locals.get("spec")
+"""
+
+FUSED = """    batch, new, d = x_new.shape
+    h = d // n_heads
+
+    def split(t):
+        return t.reshape(batch, new, n_heads, h).transpose(1, 2)
+
+    q, k, v = split(q_proj(x_new)), split(k_proj(x_new)), split(v_proj(x_new))
+    if past_kv is not None:
+        k = torch.cat([past_kv[0], k], dim=2)
+        v = torch.cat([past_kv[1], v], dim=2)
+    past = k.shape[2] - new
+    mask = torch.arange(past + new)[None, :] <= past + torch.arange(new)[:, None]
+    mixed = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return o_proj(mixed.transpose(1, 2).reshape(batch, new, d)), (k, v)
+"""
+
+
+def build_dict() -> dict[str, dict[str, bytes]]:
+    source = (FOLDER / "inference.py").read_text()
+    bob = source
+    for task, function in (
+        (3, "quantize_nf4"),
+        (3, "dequantize_nf4"),
+        (4, "attention_step"),
+        (5, "decoder_step"),
+        (5, "generate"),
+    ):
+        bob = unwritten(bob, task, function)
+    carol = unwritten(unwritten(source, 5, "decoder_step"), 5, "generate")
+    dave = edit(edit(source, *LOW_FIRST_PACK), *LOW_FIRST_UNPACK)
+    erin = replace_region(source, begin(5, "generate"), RECOMPUTE)
+    frank = edit(
+        source,
+        "from torch.nn import functional as F\n",
+        "from torch.nn import functional as F\n\n" + FRANK_IMPORT,
+    )
+    frank = replace_region(frank, begin(3, "quantize_nf4"), FRANK_NF4)
+    fp32_inside = edit(source, *FP32_INSIDE_QUANTIZE)
+    fp32_inside = edit(
+        fp32_inside, begin(3, "dequantize_nf4"), begin(3, "dequantize_nf4") + FP32_INSIDE_DEQUANTIZE
+    )
+    hidden_storage = edit(source, *HIDDEN_QUANTIZE)
+    hidden_storage = edit(
+        hidden_storage, begin(3, "dequantize_nf4"), begin(3, "dequantize_nf4") + HIDDEN_DEQUANTIZE
+    )
+    int8_float = replace_region(source, begin(1, "quantize_int8"), INT8_FLOAT)
+    frame_walk = edit(source, begin(5, "generate"), begin(5, "generate") + FRAME_WALK)
+    fused = replace_region(source, begin(4, "attention_step"), FUSED)
+    students = {
+        "alice": source,
+        "bob": bob,
+        "carol": carol,
+        "dave": dave,
+        "erin": erin,
+        "frank": frank,
+        "fp32_inside": fp32_inside,
+        "hidden_storage": hidden_storage,
+        "int8_float": int8_float,
+        "frame_walk": frame_walk,
+        "fused_attention": fused,
+    }
+    assert list(students) == list(LOST)
+    return {name: {FILES[0]: text.encode()} for name, text in students.items()}
+
+
+def build(out: Path) -> list[Path]:
+    return write(out, build_dict())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    args = parser.parse_args()
+    written = build(args.out)
+    print(f"wrote {len(written)} submissions into {args.out}")
+
+
+if __name__ == "__main__":
+    main()

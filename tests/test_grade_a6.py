@@ -1,0 +1,404 @@
+"""``python -m grader grade a6_inference``: assignment 6 goes through the same pipeline as a1-a5.
+
+The graded tests are the hidden tests with their points; the grader's int8 and NF4
+(``grader/a6_inference/reference.py``) agree with the library's tested ``minidist.quant``, and its
+attention and decoder (recomputed over the whole sequence) with torch's fused attention and with
+the solution; the checks refuse reports that cheat (extra bytes, a view of a larger buffer, the
+original weights back from a round trip, projections of the whole sequence); the intake check
+and the run time guard refuse the library's and torch's quantization and attention; and the
+example students of ``grader/examples/a6_inference/make.py`` (correct, two partial ones, packing
+the wrong way round, recomputing instead of caching, the library's NF4; and the red team's
+cheats: fp32 weights kept in the object, in a larger storage behind the packed view, float
+"codes", frame walking, torch's fused attention) and the released stub get exactly their expected
+scores on a subset of the hidden tests that tells them apart (one batch, ``--jobs 2``, a fixed
+seed key).
+"""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from grader import forbidden, similarity
+from grader.examples.a6_inference import make
+from minidist import quant
+
+with warnings.catch_warnings():  # `points` is registered by grader/a6_inference/conftest.py only
+    warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
+    from grader.a6_inference import grading, reference, workers
+    from grader.a6_inference import test_hidden as hidden
+
+ROOT = Path(__file__).resolve().parent.parent
+SOLUTION = ROOT / "solutions" / "a6_inference" / "inference.py"
+#: the tests that tell the examples apart (glob patterns: "[[]" is a literal "["): int8 codes
+#: (int8_float), packing (dave), NF4 codes (dave, bob), NF4 memory and round trip (fp32_inside,
+#: hidden_storage), attention (bob), generation with the cache (carol) and its use (erin)
+SUBSET = (
+    "test_int8_quantize[[]3d-float64]",
+    "test_pack_4bit",
+    "test_nf4_quantize[[]block-6-zeros]",
+    "test_nf4_memory[[]block-64]",
+    "test_nf4_round_trip",
+    "test_attention_step[[]one-token-batch-3]",
+    "test_generate_with_cache[[]prompt-1]",
+    "test_generate_uses_the_cache",
+)
+SUBSET_NAMES = [pattern.replace("[[]", "[") for pattern in SUBSET]
+
+
+def solution():
+    spec = importlib.util.spec_from_file_location("a6_solution_inference", SOLUTION)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks itself up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_graded_tests_are_the_hidden_tests_with_their_points():
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "grader/a6_inference",
+        "--collect-only",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+    ]
+    collected = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
+    names = [line.split("::", 1)[1] for line in collected.splitlines() if "::" in line]
+    graded = grading.graded_tests(seed=12345)
+    assert [t.name for t in graded] == names and len(names) >= 15
+    for test in graded:
+        function = getattr(hidden, test.name.split("[")[0])
+        marker = next(m for m in function.pytestmark if m.name == "points")
+        assert test.points == marker.args[0], test.name
+        assert test.function in grading.HINTS and test.function in hidden.TASKS
+    assert set(SUBSET_NAMES) <= set(names)
+    assert 45 <= sum(t.points for t in graded) <= 60
+
+
+def test_seeds_change_the_data_not_the_tests():
+    one, two = grading.graded_tests(1), grading.graded_tests(2)
+    assert [t.name for t in one] == [t.name for t in two]
+    assert all(a.job.args != b.job.args for a, b in zip(one, two))
+    json.dumps([t.job.as_json("t", 1.0) for t in one])  # jobs travel as JSON
+
+
+def test_hidden_shapes_are_the_hard_ones():
+    for seed in range(5):
+        for test in grading.graded_tests(seed):
+            spec = test.job.args[0]
+            if "block" in spec:  # NF4: the last block is cut short
+                assert math.prod(spec["shape"]) % spec["block"], test.name
+            if "prompt" in spec and "prompt-1" in test.name:
+                assert spec["prompt"] == 1 and spec["batch"] == 1
+            if "heads" in spec:
+                assert spec["heads"] >= 2 and spec["d"] % spec["heads"] == 0
+
+
+# --- the grader's formats against the library's tested implementation -------------------------------
+def test_reference_int8_equals_the_library():
+    spec = hidden.int8_spec(3, 10, [4, 3], "float64")
+    w = workers.weights(spec)
+    codes, scale, _ = reference.int8_reference(w)
+    want_codes, want_scale = quant.quantize_absmax_int8(w.float(), dim=-1)
+    assert torch.equal(codes, want_codes) and torch.allclose(scale, want_scale, rtol=1e-7, atol=0)
+    assert (scale.reshape(-1) == 0).any()  # the row of zeros is there, and gives codes 0
+    assert int(codes.abs().max()) == 127
+
+
+def test_reference_nf4_equals_the_library():
+    assert torch.allclose(reference.NF4, quant.nf4_code_values(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(reference.NF4, torch.tensor(solution().NF4_VALUES), rtol=0, atol=0)
+    for block, zero in ((64, False), (6, True), (16, False)):
+        spec = hidden.nf4_spec(7, 30, block, zero)
+        w = workers.weights(spec)
+        nearest, either, absmax = reference.nf4_reference(w, block)
+        q = quant.quantize_nf4(w, block=block, double_quant=False)
+        assert torch.equal(absmax, q.absmax)
+        library = quant.unpack_4bit(q.packed).long()
+        assert ((library == nearest) | (library == either)).all()
+        assert torch.equal(reference.pack(nearest), quant.pack_4bit(nearest))  # high four bits first
+        back = reference.dequantize(nearest, absmax, block, w.numel()).reshape(w.shape)
+        assert torch.allclose(back, quant.dequantize_nf4(q), atol=1e-6)
+        if zero:
+            assert (nearest[:block] == 7).all()  # a block of zeros: code 7, the value 0
+
+
+def test_reference_attention_equals_torchs_fused_attention():
+    spec = hidden.attention_spec(0, 99, 2, 3, 4)
+    w, x = workers.decoder_weights(spec), workers.attention_input(spec)
+    out, k, v = reference.causal_attention(x, w, 0, spec["heads"])
+    q = reference.split_heads(F.linear(x, w["0.q.weight"], w["0.q.bias"]), spec["heads"])
+    fused = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(x.shape)
+    assert torch.allclose(out, F.linear(fused, w["0.o.weight"], w["0.o.bias"]), atol=1e-10)
+    past = workers.past_kv(spec, w, x)
+    assert torch.allclose(past[0], k[:, :, :3], atol=1e-12) and torch.allclose(
+        past[1], v[:, :, :3], atol=1e-12
+    )
+
+
+def test_reference_decoder_equals_the_solution_on_the_graders_decoder():
+    module = solution()
+    spec = hidden.generation_spec(0, 72, 3, 5, use_cache=True)
+    seen: list = []
+    model = workers.decoder(spec, seen)
+    ids = workers.prompt(spec)
+    with torch.no_grad():
+        got, _ = module.decoder_step(model, ids)
+    assert torch.allclose(got, reference.logits(spec, workers.decoder_weights(spec), ids), atol=1e-10)
+    assert torch.equal(module.generate(model, ids, spec["new_tokens"]), reference.greedy(spec))
+    assert not hasattr(model.blocks[0].k, "weight") and not list(model.blocks[0].k.parameters())
+
+
+# --- the checks that cheats met --------------------------------------------------------------------
+def _spec(name: str) -> dict:
+    return next(t for t in grading.graded_tests(0) if t.name == name).job.args[0]
+
+
+def test_memory_is_measured_from_storages_not_numel():
+    w = torch.randn(10, 7)
+    packed = torch.arange(20, dtype=torch.uint8)
+    honest = workers.stored(make_nf4(packed, torch.ones(3)))
+    assert honest["bytes"] == 20 + 12 and len(honest["tensors"]) == 2
+    buffer = torch.cat([packed, w.reshape(-1).view(torch.uint8)])
+    viewed = workers.stored(make_nf4(buffer[:20], torch.ones(3)))
+    assert viewed["bytes"] == 20 + 4 * 70 + 12
+    extra = make_nf4(packed, torch.ones(3))
+    extra.original = w  # an attribute the format does not have
+    assert workers.stored(extra)["bytes"] == 32 + 280
+    tagged = make_nf4(packed.clone(), torch.ones(3))
+    tagged.packed.copy = w  # an attribute on a tensor
+    assert workers.stored(tagged)["bytes"] == 32 + 280
+
+
+def make_nf4(packed, scales):
+    return solution().NF4Weight(packed, scales, (5, 8), 8)
+
+
+def test_the_nf4_checks_refuse_low_first_packing_extra_bytes_and_the_original_back():
+    spec = _spec("test_nf4_quantize[block-64]")
+    w = workers.weights(spec)
+    nearest, _, absmax = reference.nf4_reference(w, spec["block"])
+    report = {
+        "type": "NF4Weight",
+        "packed": reference.pack(nearest),
+        "scales": absmax,
+        "shape": list(spec["shape"]),
+        "block": spec["block"],
+    }
+    reference.nf4_quantize_check("q", spec)(report)
+    low_first = (nearest[0::2] + 16 * nearest[1::2]).to(torch.uint8)
+    with pytest.raises(AssertionError, match="high four bits"):
+        reference.nf4_quantize_check("q", spec)({**report, "packed": low_first})
+    blocks = -(-w.numel() // spec["block"])
+    right = {"bytes": blocks * spec["block"] // 2 + 4 * blocks, "tensors": []}
+    reference.nf4_memory_check("m", spec)({"stored": right})
+    with pytest.raises(AssertionError, match="holds"):
+        reference.nf4_memory_check("m", spec)({"stored": {**right, "bytes": right["bytes"] + 4 * w.numel()}})
+    trip = _spec("test_nf4_round_trip")
+    w = workers.weights(trip)
+    nearest, _, absmax = reference.nf4_reference(w, trip["block"])
+    honest = reference.dequantize(nearest, absmax, trip["block"], w.numel()).reshape(w.shape)
+    reference.nf4_round_trip_check("r", trip)({"out": honest})
+    with pytest.raises(AssertionError, match="values the 4-bit codes hold"):
+        reference.nf4_round_trip_check("r", trip)({"out": w.clone()})
+
+
+def test_the_int8_checks_refuse_float_codes():
+    spec = _spec("test_int8_quantize[3d-float64]")
+    codes, scale, _ = reference.int8_reference(workers.weights(spec))
+    reference.int8_quantize_check("i", spec)({"codes": codes, "scale": scale})
+    with pytest.raises(AssertionError, match="dtype"):
+        reference.int8_quantize_check("i", spec)({"codes": workers.weights(spec).float(), "scale": scale})
+    with pytest.raises(AssertionError, match="codes differ"):
+        reference.int8_quantize_check("i", spec)(
+            {"codes": (codes.long() // 2).to(torch.int8), "scale": scale}
+        )
+
+
+def test_the_cache_checks_count_the_tokens_each_projection_saw():
+    spec = _spec("test_generate_uses_the_cache")
+    ids, b, n, t0 = reference.greedy(spec), spec["batch"], spec["new_tokens"], spec["prompt"]
+
+    def log(rows_per_step):
+        return [[layer, name, rows] for rows in rows_per_step for layer in range(2) for name in "qkvo"]
+
+    reference.cache_use_check("c", spec)({"ids": ids, "seen": log([b * t0] + [b] * (n - 1))})
+    recomputed = log([b * (t0 + step) for step in range(n)])
+    with pytest.raises(AssertionError, match="projection saw"):
+        reference.cache_use_check("c", spec)({"ids": ids, "seen": recomputed})
+    with pytest.raises(AssertionError, match="tokens differ"):
+        reference.cache_use_check("c", spec)({"ids": ids.flip(1), "seen": log([b * t0] + [b] * (n - 1))})
+    attention = _spec("test_attention_cache_grows")
+    w, x = workers.decoder_weights(attention), workers.attention_input(attention)
+    _, k, v = reference.causal_attention(x, w, 0, attention["heads"])
+    past, p = workers.past_kv(attention, w, x), attention["past"]
+    k, v = torch.cat([past[0], k[:, :, p:]], 2), torch.cat([past[1], v[:, :, p:]], 2)  # the past as given
+    new = attention["batch"] * attention["new"]
+    report = {"k": k, "v": v, "seen": [[0, name, new] for name in "qkvo"]}
+    reference.attention_cache_check("a", attention)(report)
+    whole = attention["batch"] * (attention["past"] + attention["new"])
+    with pytest.raises(AssertionError, match="called on"):
+        reference.attention_cache_check("a", attention)({**report, "seen": [[0, nm, whole] for nm in "qkvo"]})
+    with pytest.raises(AssertionError, match="must grow"):
+        reference.attention_cache_check("a", attention)({**report, "k": k[:, :, -1:]})
+
+
+def test_feedback_names_what_differs_not_the_expected_value():
+    spec = _spec("test_int8_dequantize")
+    codes, scale = workers.int8_codes(spec)
+    want = codes.float() * scale
+    with pytest.raises(AssertionError) as caught:
+        reference.int8_dequantize_check("d", spec)({"out": want + 1.0})
+    message = grading.redact(str(caught.value))
+    assert "differs from the reference by up to 1" in message
+    assert f"{float(want.flatten()[0]):.4f}" not in message
+
+
+def test_the_solution_is_not_flagged_as_similar_to_the_library():
+    paths = [path for pattern in grading.SIMILAR_TO for path in ROOT.glob(pattern)]
+    library = similarity.library_functions(paths, ROOT)
+    match = similarity.best_match(SOLUTION.read_text(), library, grading.GIVEN_FUNCTIONS)
+    assert match.score < similarity.FLAG_AT, match
+    assert match.function not in grading.GIVEN_FUNCTIONS
+
+
+def test_given_functions_name_functions_of_the_solution():
+    names = set(similarity.functions(SOLUTION.read_text()))
+    assert set(grading.GIVEN_FUNCTIONS) <= names, set(grading.GIVEN_FUNCTIONS) - names
+
+
+# --- intake and run time ---------------------------------------------------------------------------
+def test_the_intake_check_accepts_the_solution_and_refuses_the_library():
+    rules = grading.FORBIDDEN
+    assert forbidden.check(SOLUTION.read_text(), rules) is None
+    for code in (
+        "from minidist import quant",
+        "from minidist.quant import quantize_nf4",
+        "import minidist.quant as q",
+        "from minidist.models import generate",
+        "from minidist.models.generate import attention_step",
+        "from minidist.serve import swarm",
+        "from minidist.models.transformer import MultiHeadSelfAttention",
+        "import torch.nn.functional as F\nF.scaled_dot_product_attention(q, k, v)",
+        "from torch.nn.functional import scaled_dot_product_attention",
+        "from torch import nn\nnn.MultiheadAttention(8, 2)",
+        "import torch\ntorch.quantize_per_tensor(x, 0.1, 0, torch.qint8)",
+        "import torch\ntorch.quantize_per_channel(x, s, z, 0, torch.qint8)",
+        "from torch.ao.quantization import quantize_dynamic",
+        "import torch.quantization",
+        "import bitsandbytes as bnb",
+        "from transformers import DynamicCache",
+        "import sys\nframe = sys.exc_info()[2].tb_frame.f_back",
+        "import subprocess\nsubprocess.run(['cp', 'a', 'b'])",
+    ):
+        assert forbidden.check(code, rules) is not None, code
+
+
+GUARD_PROBE = """
+import importlib
+
+import torch
+from torch.nn import functional as F
+
+from grader import guard
+from grader.a6_inference import rules
+
+guard.install_rules(rules)
+refused = []
+for name, attribute, args in (
+    ("minidist.quant", "quantize_nf4", (torch.ones(8),)),
+    ("minidist.quant", "quantize_absmax_int8", (torch.ones(2, 2),)),
+    ("minidist.quant", "pack_4bit", (torch.zeros(2, dtype=torch.long),)),
+):
+    try:
+        getattr(importlib.import_module(name), attribute)(*args)
+    except (PermissionError, ImportError) as error:
+        refused.append(guard.MARKER in str(error))
+    else:
+        refused.append(False)
+from minidist.models.transformer import MultiHeadSelfAttention, TransformerConfig  # noqa: E402
+
+attention = MultiHeadSelfAttention(TransformerConfig(11, 8, 1, 2, 8, causal=True))
+try:
+    attention(torch.ones(1, 3, 8))
+except PermissionError as error:
+    refused.append(guard.MARKER in str(error))
+assert refused == [True] * 4, refused
+assert F.linear(torch.ones(2, 3), torch.ones(4, 3)).shape == (2, 4)  # plain torch stays
+print("ok")
+"""
+
+
+def test_the_run_time_guard_refuses_the_library_and_leaves_plain_torch_alone(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(GUARD_PROBE)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, str(probe)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+# --- the whole pipeline ---------------------------------------------------------------------------------
+def grade(submissions: Path, out: Path, *extra: str) -> str:
+    command = [sys.executable, "-m", "grader", "grade", "a6_inference", str(submissions), "--out", str(out)]
+    result = subprocess.run(
+        [*command, *extra], cwd=ROOT, capture_output=True, text=True, timeout=500, start_new_session=True
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+def gradebook(out: Path) -> dict[str, dict]:
+    with open(out / "gradebook.csv", newline="") as file:
+        return {row["id"]: row for row in csv.DictReader(file)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(500)
+def test_the_examples_and_the_stub_get_their_scores(tmp_path):
+    submissions = tmp_path / "subs"
+    make.write(submissions, make.build_dict())
+    (submissions / "stub").mkdir()
+    for name in make.FILES:
+        (submissions / "stub" / name).write_bytes((make.STUB_FOLDER / name).read_bytes())
+    out = tmp_path / "out"
+    selection = [arg for pattern in SUBSET for arg in ("--tests", pattern)]
+    grade(submissions, out, "--jobs", "2", "--test-timeout", "30", "--seed-key", "k", *selection)
+    book = gradebook(out)
+    assert (
+        book["alice"]["score"]
+        == book["alice"]["max_score"]
+        == f"{make.expected_score('alice', SUBSET_NAMES):g}"
+    )
+    for student, (status, _) in make.LOST.items():
+        score = make.expected_score(student, SUBSET_NAMES)
+        assert (book[student]["status"], float(book[student]["score"])) == (status, score), book[student]
+    assert book["stub"]["score"] == "0" and book["stub"]["status"] == "ok"
+    stub = json.loads((out / "stub" / "results.json").read_text())
+    assert all("NotImplementedError" in t["output"] and "TODO(task" in t["output"] for t in stub["tests"])
+    assert "high four bits" in (out / "dave" / "feedback.md").read_text()
+    assert "projection saw" in (out / "erin" / "feedback.md").read_text()
+    assert "minidist.quant" in book["frank"]["reason"]
+    # the red team's, closed (the scores: ``make.LOST``)
+    for cheat in ("fp32_inside", "hidden_storage"):
+        feedback = (out / cheat / "feedback.md").read_text()
+        assert "holds" in feedback and "values the 4-bit codes hold" in feedback, cheat
+    assert "dtype" in (out / "int8_float" / "feedback.md").read_text()
+    assert "tb_frame" in book["frame_walk"]["reason"]
+    assert "scaled_dot_product_attention" in book["fused_attention"]["reason"]
+    assert float(book["alice"]["similarity"]) < similarity.FLAG_AT
