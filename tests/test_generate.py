@@ -16,6 +16,15 @@ from minidist.models.decoder import CONFIGS, DecoderLM
 from minidist.models.transformer import TransformerBlock, TransformerConfig, attention_bias
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matrices: on busy shared cores, waking extra intra-op threads costs more than it saves."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def tiny_config(position: str = "learned", **overrides) -> TransformerConfig:
     fields = dict(
         vocab_size=64,
