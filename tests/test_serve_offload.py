@@ -1,4 +1,5 @@
-"""Streamed inference (minidist.serve.offload): equal to the in-memory DecoderLM, blocks released, RSS in budget.
+"""Streamed inference (minidist.serve.offload): equal to the in-memory DecoderLM, blocks released,
+RSS within the budget.
 
 References: ``DecoderLM.forward`` and ``generate.generate`` on the whole model in memory (the
 same weights, read with ``shards.load_decoder``); the parameter-count formula for the budget;
@@ -198,13 +199,6 @@ def test_close_stops_the_thread_and_bad_input_is_refused(checkpoint):
 
 
 # --- resident memory, measured in child processes --------------------------------------------
-def measured(directory, mode: str) -> dict:
-    result = offload.measure_rss(directory, mode, prompt_len=8, new_tokens=4, repeats=1, timeout=180)
-    if "error" in result:
-        pytest.skip(result["error"])
-    return result
-
-
 @pytest.mark.slow
 def test_peak_rss_stays_within_the_budget(tmp_path):
     """A 53 MB checkpoint (16 blocks of 3.2 MB, a 2 MB resident part) runs in 8.5 MB of weights.
@@ -213,42 +207,41 @@ def test_peak_rss_stays_within_the_budget(tmp_path):
     compute overhead (activations, logits, KV cache) is measured on the same generation with the
     whole model in memory. Controls: the in-memory model, and a streamed run that keeps each
     block after use (so the mapped pages stay resident), both exceed the bound by far.
+    Four child processes (measure_streaming runs three), each with a fresh peak.
     """
     cfg = offload.demo_config(hidden=256, n_layers=16, vocab=2048, positions=64)
     directory = offload.write_random_checkpoint(tmp_path / "ck", cfg, timeout=180)
     budget = offload.budget_bytes(directory)
     assert offload.checkpoint_bytes(directory) >= 4 * budget
-
-    in_memory = measured(directory, "in_memory")
-    bound = budget + in_memory["compute_overhead"] + offload.THREAD_SLACK_BYTES
-    assert in_memory["peak_growth"] > bound, (in_memory, bound)  # the control: the model does not fit
-
-    for mode in ("prefetch", "no_prefetch"):
-        streamed = measured(directory, mode)
-        assert streamed["peak_growth"] <= bound, (mode, streamed, bound)
-        assert streamed["ids"] == in_memory["ids"]
-        assert streamed["max_live_blocks"] == (2 if mode == "prefetch" else 1)
-
-    held = measured(directory, "hold")  # every block kept: released pages are what kept the RSS down
-    assert held["peak_growth"] > bound, (held, bound)
-    assert held["peak_growth"] >= 0.9 * sum(offload.block_bytes(directory))
-    assert held["ids"] == in_memory["ids"]
-
-
-def test_measure_streaming_reports_every_run(tmp_path):
-    _, directory = save(tmp_path, tiny_config())
-    result = offload.measure_streaming(directory, prompt_len=4, new_tokens=2, repeats=1, timeout=180)
+    setup = dict(prompt_len=8, new_tokens=4, repeats=1, timeout=180)
+    result = offload.measure_streaming(directory, in_memory=True, **setup)
     if "error" in result:
         pytest.skip(result["error"])
-    assert result["same_output"]
-    assert result["budget_bytes"] == offload.budget_bytes(directory)
-    for mode in ("prefetch", "no_prefetch", "in_memory"):
+    assert result["budget_bytes"] == budget and result["same_output"]
+    in_memory = result["in_memory"]
+    bound = budget + in_memory["compute_overhead"] + offload.THREAD_SLACK_BYTES
+    assert in_memory["peak_growth"] > bound, (in_memory, bound)  # the control: the model does not fit
+    for mode in ("prefetch", "no_prefetch"):
+        assert result[mode]["peak_growth"] <= bound, (mode, result[mode], bound)
+        assert result[mode]["max_live_blocks"] == (2 if mode == "prefetch" else 1)
         assert result[mode]["tokens_per_s"] > 0
+    assert result["overhead_bytes"] == result["prefetch"]["peak_growth"] - budget
     assert result["ratio_vs_in_memory"] == pytest.approx(
-        result["prefetch"]["tokens_per_s"] / result["in_memory"]["tokens_per_s"]
+        result["prefetch"]["tokens_per_s"] / in_memory["tokens_per_s"]
     )
+
+    held = offload.measure_rss(directory, "hold", **setup)  # every block kept after use
+    assert held["peak_growth"] > bound, (held, bound)  # so releasing is what kept the RSS down
+    assert held["peak_growth"] >= 0.9 * sum(offload.block_bytes(directory))
+    assert held["max_live_blocks"] == 4 * cfg.n_layers  # 4 passes (the prompt, 3 tokens), all kept
+
+
+def test_measurement_rejects_bad_input(checkpoint):
+    _, directory = checkpoint
     with pytest.raises(ValueError, match="positions"):
         offload.measure_streaming(directory, prompt_len=30, new_tokens=5)
+    with pytest.raises(ValueError, match="must be >= 1"):
+        offload.measure_streaming(directory, new_tokens=0)
     with pytest.raises(ValueError, match="mode"):
         offload.measure_rss(directory, "sideways")
 
