@@ -17,6 +17,10 @@ to server. Here each server is a process, and the "network" a socket per server:
 Only hidden states travel: B·T·d numbers per hop (with a KV cache, T = 1 per generated token),
 never weights. The client talks to each server in turn (``route`` picks the chain).
 
+At BLOOM-176B's scale: a block has 12·d² = 12·14336² ≈ 2.47e9 parameters, 2.47 GB in int8, so
+a server with a 24 GB GPU holds about 8 blocks and 9 such servers cover all 70; per generated
+token each hop carries one hidden state, 14336 values = 28,672 bytes in fp16, there and back.
+
 **Inference sessions.** ``client.generate`` opens a session on every server of its chain; each
 keeps a KV cache for its blocks (``generate.span_step``), so a step sends one token's hidden
 state per hop. The client also keeps, per hop, every hidden state it sent (the session
@@ -374,6 +378,8 @@ class Swarm:
         Raises ``ServerFailed`` when the server is dead, closes the connection or does not answer
         within ``timeout`` (default: the swarm's), ``RemoteError`` when it answers with an error.
         """
+        if self._finalizer is None or not self._finalizer.alive:
+            raise RuntimeError("this Swarm is not running: use it inside `with Swarm(...) as sw:`")
         if not 0 <= i < len(self._processes):
             raise ValueError(f"no server {i}: this swarm has servers 0..{len(self._processes) - 1}")
         if i in self._failed:
@@ -757,7 +763,7 @@ class InferenceSession:
             adapters=_select(self.adapters, hop.start, hop.end),
         )
         hop.history.append(hidden)
-        return out
+        return out.to(hidden.device)
 
     def _replace(self, dead: _SessionHop) -> list[_SessionHop]:
         """New hops for the dead hop's blocks, their caches rebuilt by replaying its history."""
