@@ -190,6 +190,20 @@ def test_two_spans_equal_one_span():
         torch.testing.assert_close(a[1], b[1], rtol=0, atol=1e-6)
 
 
+def test_span_step_is_differentiable_like_the_blocks():
+    """Training through a swarm backpropagates through span_step: same gradient as the blocks' forward."""
+    model = tiny_model("learned")
+    cfg, blocks = model.cfg, list(model.transformer.blocks)
+    x = torch.randn(2, 5, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    x_ref, x_step = x.clone().requires_grad_(), x.clone().requires_grad_()
+    h = x_ref
+    for block in blocks:
+        h = block(h, attention_bias(cfg, 5, None, x.dtype, x.device))
+    h.square().sum().backward()
+    generate.span_step(blocks, cfg, x_step, [None, None], 0).square().sum().backward()
+    torch.testing.assert_close(x_step.grad, x_ref.grad, rtol=0, atol=1e-5)
+
+
 # --- quantized weights ---------------------------------------------------------------------------
 
 
@@ -283,6 +297,11 @@ def test_shape_mismatches_are_refused():
         wrong_heads = (torch.zeros(2, 2, 4, 16), torch.zeros(2, 2, 4, 16))
         with pytest.raises(ValueError, match="cached keys have shape"):
             generate.attention_step(blocks[0].attention, hidden, wrong_heads)
+        keys = torch.zeros(2, 4, 3, 8)
+        with pytest.raises(ValueError, match=r"values \(2, 4, 2, 8\)"):
+            generate.attention_step(blocks[0].attention, hidden, (keys, torch.zeros(2, 4, 2, 8)))
+        with pytest.raises(ValueError, match="cached keys have shape"):
+            generate.attention_step(blocks[0].attention, hidden, (keys[0], keys[0]))
     with pytest.raises(ValueError, match="input_ids must be"):
         generate.generate(model, torch.zeros(4, dtype=torch.long), 2)
 

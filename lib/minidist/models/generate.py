@@ -228,9 +228,12 @@ def attention_step(
     v = attn.split_heads(attn.value(x_new))
     if past_kv is not None:
         past_k, past_v = past_kv
-        if past_k.shape[0] != batch or past_k.shape[1:2] + past_k.shape[3:] != k.shape[1:2] + k.shape[3:]:
+        # the cache must match everywhere but in its length (dim 2): same B, H, d_head
+        expected = (batch, k.shape[1], past_k.shape[2] if past_k.dim() == 4 else -1, k.shape[3])
+        if past_k.shape != expected or past_v.shape != expected:
             raise ValueError(
-                f"cached keys have shape {tuple(past_k.shape)} (B, H, T_past, d_head), new keys "
+                f"cached keys have shape {tuple(past_k.shape)}, values {tuple(past_v.shape)} "
+                f"(B, H, T_past, d_head), new keys "
                 f"{tuple(k.shape)}: the cache belongs to another batch or model; start a new KVCache"
             )
         k = torch.cat([past_k, k], dim=2)  # append the new positions: (B, H, T_past + T_new, d_head)
