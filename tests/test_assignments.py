@@ -578,3 +578,104 @@ def test_a5_stub_imports_and_each_part_raises_not_implemented_with_its_task(tmp_
         [sys.executable, str(probe)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+# --- assignment 6: int8, NF4 and its packing, a KV-cached attention step, greedy generation ------
+A6 = "a6_inference"
+A6_SOLUTION, A6_STUB, A6_HIDDEN = ROOT / "solutions" / A6, ROOT / "assignments" / A6, ROOT / "grader" / A6
+A6_PUBLIC = "test_a6_inference.py"
+#: (task, what the stub's NotImplementedError names)
+A6_TASKS = [
+    (1, "quantize_int8"),
+    (1, "dequantize_int8"),
+    (2, "pack_4bit"),
+    (2, "unpack_4bit"),
+    (3, "quantize_nf4"),
+    (3, "dequantize_nf4"),
+    (4, "attention_step"),
+    (5, "decoder_step"),
+    (5, "generate"),
+]
+
+
+def a6_split(outcomes: dict[str, Outcome]) -> tuple[list[Outcome], list[Outcome]]:
+    hidden = [o for t, o in outcomes.items() if t.startswith(f"grader.{A6}.")]
+    return hidden, [o for t, o in outcomes.items() if not t.startswith(f"grader.{A6}.")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a6_solution_passes_public_and_hidden_tests(tmp_path):
+    outcomes, output = run_pytest(tmp_path, A6_SOLUTION, [A6_SOLUTION / A6_PUBLIC, A6_HIDDEN], timeout=350)
+    not_passed = {t: o for t, o in outcomes.items() if o.status != "passed"}
+    assert not not_passed, describe(not_passed)
+    hidden, public = a6_split(outcomes)
+    assert len(public) >= 8 and len(hidden) >= 15
+    assert all(o.points and o.points > 0 for o in hidden) and all(o.points is None for o in public)
+    total = sum(o.points for o in hidden)
+    assert f"score: {total:g} / {total:g} points" in output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_a6_released_stub_fails_every_test_with_not_implemented(tmp_path):
+    outcomes, _ = run_pytest(tmp_path, A6_STUB, [A6_STUB / A6_PUBLIC, A6_HIDDEN], timeout=350)
+    wrong = {
+        t: o for t, o in outcomes.items() if o.status != "failed" or "NotImplementedError" not in o.message
+    }
+    assert not wrong, "tests that did not fail with NotImplementedError:\n" + describe(wrong)
+    hidden, public = a6_split(outcomes)
+    assert len(hidden) >= 15 and len(public) >= 8
+    for test_id, outcome in outcomes.items():
+        assert "did not finish" not in outcome.message and "TODO(task" in outcome.message, test_id
+
+
+def test_a6_stub_keeps_every_signature_and_docstring():
+    solution = a5_api(A6_SOLUTION / "inference.py")
+    assert a5_api(A6_STUB / "inference.py") == solution
+    assert {"NF4Weight.nbytes", "TinyDecoder.__init__", "attention_step"} <= set(solution)
+    stub = (A6_STUB / "inference.py").read_text()
+    for task, name in A6_TASKS:
+        assert f'raise NotImplementedError("TODO(task {task}): write {name}")' in stub
+
+
+A6_STUB_PROBE = """
+import torch
+from torch import nn
+
+import inference as a6
+
+w, model = torch.ones(2, 4), a6.TinyDecoder(vocab=5, d=4, n_heads=2, n_layers=1, positions=8)
+q = a6.NF4Weight(torch.zeros(2, dtype=torch.uint8), torch.ones(1), (4,), 4)
+linear = nn.Linear(4, 4)
+calls = {
+    "quantize_int8": lambda: a6.quantize_int8(w),
+    "dequantize_int8": lambda: a6.dequantize_int8(w.to(torch.int8), torch.ones(2, 1)),
+    "pack_4bit": lambda: a6.pack_4bit(torch.zeros(4, dtype=torch.long)),
+    "unpack_4bit": lambda: a6.unpack_4bit(torch.zeros(2, dtype=torch.uint8)),
+    "quantize_nf4": lambda: a6.quantize_nf4(w, 4),
+    "dequantize_nf4": lambda: a6.dequantize_nf4(q),
+    "attention_step": lambda: a6.attention_step(linear, linear, linear, linear, 2, torch.ones(1, 3, 4)),
+    "decoder_step": lambda: a6.decoder_step(model, torch.zeros(1, 3, dtype=torch.long)),
+    "generate": lambda: a6.generate(model, torch.zeros(1, 3, dtype=torch.long), 2),
+}
+assert q.nbytes == 2 + 4  # given
+for task, name in %r:
+    try:
+        calls[name]()
+    except NotImplementedError as error:
+        assert f"TODO(task {task}): write {name}" in str(error), (name, str(error))
+    else:
+        raise AssertionError(f"{name} did not raise NotImplementedError")
+print("ok")
+"""
+
+
+def test_a6_stub_imports_and_each_part_raises_not_implemented_with_its_task(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text(A6_STUB_PROBE % (A6_TASKS,))
+    env = {**os.environ, "PYTHONPATH": str(A6_STUB)}
+    result = subprocess.run(
+        [sys.executable, str(probe)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

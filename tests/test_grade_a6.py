@@ -10,8 +10,8 @@ example students of ``grader/examples/a6_inference/make.py`` (correct, two parti
 the wrong way round, recomputing instead of caching, the library's NF4; and the red team's
 cheats: fp32 weights kept in the object, in a larger storage behind the packed view, float
 "codes", frame walking, torch's fused attention) and the released stub get exactly their expected
-scores on a subset of the hidden tests that tells them apart (one batch, ``--jobs 2``, a fixed
-seed key).
+scores on a six-test subset of the hidden tests that tells them apart (one batch, ``--jobs 2``,
+a fixed seed key; about 2 minutes on 2 busy cores).
 """
 
 from __future__ import annotations
@@ -42,16 +42,14 @@ with warnings.catch_warnings():  # `points` is registered by grader/a6_inference
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTION = ROOT / "solutions" / "a6_inference" / "inference.py"
 #: the tests that tell the examples apart (glob patterns: "[[]" is a literal "["): int8 codes
-#: (int8_float), packing (dave), NF4 codes (dave, bob), NF4 memory and round trip (fp32_inside,
-#: hidden_storage), attention (bob), generation with the cache (carol) and its use (erin)
+#: (int8_float), packing (dave), NF4 codes (dave, bob), NF4 memory (fp32_inside, hidden_storage),
+#: attention (bob) and the use of the cache (carol, erin); six, to keep the run short
 SUBSET = (
     "test_int8_quantize[[]3d-float64]",
     "test_pack_4bit",
     "test_nf4_quantize[[]block-6-zeros]",
     "test_nf4_memory[[]block-64]",
-    "test_nf4_round_trip",
     "test_attention_step[[]one-token-batch-3]",
-    "test_generate_with_cache[[]prompt-1]",
     "test_generate_uses_the_cache",
 )
 SUBSET_NAMES = [pattern.replace("[[]", "[") for pattern in SUBSET]
@@ -397,7 +395,7 @@ def test_the_examples_and_the_stub_get_their_scores(tmp_path):
     # the red team's, closed (the scores: ``make.LOST``)
     for cheat in ("fp32_inside", "hidden_storage"):
         feedback = (out / cheat / "feedback.md").read_text()
-        assert "holds" in feedback and "values the 4-bit codes hold" in feedback, cheat
+        assert "storage" in feedback and "the format" in feedback, cheat
     assert "dtype" in (out / "int8_float" / "feedback.md").read_text()
     assert "tb_frame" in book["frame_walk"]["reason"]
     assert "scaled_dot_product_attention" in book["fused_attention"]["reason"]
