@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import signal
 import subprocess
 import sys
@@ -129,6 +130,18 @@ def test_bad_arguments_are_refused(checkpoint):
         swarm.Swarm(directory, [(0, 2), (2, 5)])
     with pytest.raises(ValueError, match="unknown format"):
         swarm.Swarm(directory, [(0, 4)], fmt="int3")
+
+
+def test_a_server_that_cannot_load_its_blocks_is_reported(checkpoint, tmp_path):
+    directory, _ = checkpoint
+    broken = tmp_path / "broken"
+    shutil.copytree(directory, broken)
+    block_3 = shards.read_index(broken).weight_map[shards.block_prefix(3) + "mlp.up.weight"]
+    (broken / block_3).unlink()
+    with pytest.raises(
+        swarm.ServerFailed, match=r"server 1 failed: could not load blocks \(2, 4\)(.|\n)*missing"
+    ):
+        swarm.Swarm(broken, [(0, 2), (2, 4)], timeout=30).start()
 
 
 # --- generation -------------------------------------------------------------------------------
@@ -393,10 +406,10 @@ def test_servers_on_cuda_generate_like_the_local_model(checkpoint):
     directory, _ = checkpoint
     local = shards.load_decoder(directory, device="cuda").eval()
     ids = prompt_ids(seed=12)
-    expected = generate.generate(local, ids.cuda(), 10).cpu()
+    expected = generate.generate(local, ids.cuda(), 10)
     with swarm.Swarm(directory, [(0, 2), (2, 4)], timeout=120, device="cuda", start_method="spawn") as sw:
         assert [info["device"] for info in sw.info] == ["cuda:0", "cuda:0"]
-        client = swarm.Client(sw)
+        client = swarm.Client(sw, device="cuda")  # embeddings and head on the GPU, as the local model's
         assert torch.equal(client.generate(ids, 10), expected)
         with client.inference_session() as session:
             session.step(client.embed(ids))
