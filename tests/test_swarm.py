@@ -173,16 +173,21 @@ def test_failover_replays_the_session_and_continues_identically(alibi_checkpoint
     directory, model = alibi_checkpoint  # ALiBi: a replayed position with a wrong offset would show
     ids = prompt_ids(seed=4)
     expected = generate.generate(model, ids, 12)
-    with swarm.Swarm(directory, [(0, 2), (2, 4), (1, 4)], timeout=30) as sw:
+    kills = {
+        4: 1,
+        8: 2,
+    }  # after token 4 server 1 dies, after token 8 its replacement (whose history was a replay)
+    with swarm.Swarm(directory, [(0, 2), (2, 4), (1, 4), (2, 4)], timeout=30) as sw:
         client = swarm.Client(sw)
-        out = client.generate(ids, 12, on_token=lambda t, _: sw.kill(1) if t == 4 else None)
+        out = client.generate(ids, 12, on_token=lambda t, _: sw.kill(kills[t]) if t in kills else None)
         assert torch.equal(out, expected)
         assert [(f["server"], f["blocks"], f["during"]) for f in client.failovers] == [
-            (1, (2, 4), "generate")
+            (1, (2, 4), "generate"),
+            (2, (2, 4), "generate"),
         ]
         assert "SIGKILL" in client.failovers[0]["reason"]
-        assert client.route() == [swarm.Hop(0, 0, 2), swarm.Hop(2, 2, 4)]  # blocks 2..3 of server 2's 1..3
-        assert not sw.alive(1) and sw.alive(2)
+        assert client.route() == [swarm.Hop(0, 0, 2), swarm.Hop(3, 2, 4)]
+        assert not sw.alive(1) and not sw.alive(2) and sw.alive(3)
 
 
 def test_killed_server_without_alternative_raises_naming_the_blocks(checkpoint):

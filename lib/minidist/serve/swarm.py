@@ -778,6 +778,7 @@ class InferenceSession:
                 return new
             except ServerFailed as error:
                 self.client._record(error, (dead.start, dead.end), "replay")
+                self._close_hops(new)  # sessions already rebuilt on servers that are still alive
                 failures += 1
                 if failures > len(self.client.swarm):
                     raise
@@ -796,12 +797,15 @@ class InferenceSession:
         self.length += hidden.shape[1]
         return x
 
-    def close(self) -> None:
-        """Drop the caches on the servers (those still alive)."""
-        for hop in self.hops:
+    def _close_hops(self, hops: list[_SessionHop]) -> None:
+        for hop in hops:
             if hop.session is not None and self.client.swarm.alive(hop.server):
                 with contextlib.suppress(ServerFailed, RemoteError):
                     self.client.swarm.request(hop.server, "close", session=hop.session)
+
+    def close(self) -> None:
+        """Drop the caches on the servers (those still alive)."""
+        self._close_hops(self.hops)
         self.hops = []
 
 
