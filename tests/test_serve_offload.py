@@ -249,7 +249,10 @@ def test_measurement_rejects_bad_input(checkpoint):
 # --- CUDA: blocks streamed to the GPU -----------------------------------------------------------
 @pytest.mark.gpu
 def test_blocks_stream_to_cuda(tmp_path):
-    model, directory = save(tmp_path, tiny_config(n_layers=6))
+    """Weights read from the shards and copied to the GPU one block at a time: the GPU holds the
+    resident part and at most two blocks (3.2 MB each here), never the 25 MB of blocks."""
+    cfg = offload.demo_config(hidden=256, n_layers=8, vocab=97, positions=32)
+    model, directory = save(tmp_path, cfg)
     model = model.cuda()
     ids = torch.randint(97, (2, 10), generator=torch.Generator().manual_seed(4)).cuda()
     with torch.no_grad():
@@ -263,10 +266,12 @@ def test_blocks_stream_to_cuda(tmp_path):
     with StreamedDecoder(directory, prefetch=True, device="cuda") as streamed:
         logits = streamed(ids)
         assert logits.device.type == "cuda"
-        torch.testing.assert_close(logits, expected, rtol=0, atol=1e-6)
+        torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
         assert torch.equal(streamed.generate(ids, 6), expected_ids)
         assert streamed.max_live_blocks == 2 and streamed.live_blocks() == 0
-    blocks = sorted(offload.block_bytes(directory))
-    weights_peak = offload.resident_bytes(directory) + sum(blocks[-2:])
-    assert torch.cuda.max_memory_allocated() - start < weights_peak + (4 << 20)  # + activations
-    assert torch.cuda.max_memory_allocated() - start < sum(blocks)  # never the whole model
+        torch.cuda.synchronize()
+    blocks = offload.block_bytes(directory)
+    weights_peak = offload.resident_bytes(directory) + 2 * max(blocks)
+    growth = torch.cuda.max_memory_allocated() - start
+    assert growth < weights_peak + (2 << 20), (growth, weights_peak)  # + activations, logits, cache
+    assert growth < sum(blocks) / 2  # far from the whole model
