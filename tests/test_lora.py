@@ -358,3 +358,21 @@ def test_adapters_of_and_load_adapters_round_trip_in_the_swarm_format():
     lora.apply_lora(mismatched, targets=("query",), rank=4, alpha=8.0)
     with pytest.raises(ValueError, match="same targets"):
         lora.load_adapters(mismatched, adapters)
+
+
+def test_adapt_to_text_lowers_held_out_loss_and_keeps_the_base():
+    # A "narrow text": one 12-token phrase over and over, with every 7th token replaced at random.
+    g = torch.Generator().manual_seed(4)
+    phrase = torch.randint(0, TINY.vocab_size, (12,), generator=g)
+    stream = phrase.repeat(40)
+    noisy = torch.arange(len(stream)) % 7 == 0
+    stream[noisy] = torch.randint(0, TINY.vocab_size, (int(noisy.sum()),), generator=g)
+    model = tiny_decoder(cfg=TRAINABLE)
+    result = lora.adapt_to_text(model, stream, seq_len=16, steps=30, lr=1e-2, rank=4, batch_size=4)
+    assert (result["train_blocks"], result["heldout_blocks"]) == (24, 6)  # 480 tokens = 30 blocks
+    assert result["heldout_after"] < 0.8 * result["heldout_before"]
+    assert result["base_unchanged"]
+    n = lora.lora_parameter_count(TRAINABLE, 4)
+    assert (result["trainable"], result["total"]) == (n, parameter_count(TRAINABLE) + n)
+    with pytest.raises(ValueError, match="too few"):
+        lora.adapt_to_text(tiny_decoder(), stream[:20], seq_len=16)
