@@ -383,6 +383,7 @@ def test_every_server_is_stopped_when_the_client_code_raises(checkpoint):
     assert not [c for c in psutil.Process().children(recursive=True) if c.pid in pids]
 
 
+@pytest.mark.slow  # a fresh interpreter imports torch twice (client, its fork server): ~10 s
 def test_servers_exit_when_the_client_process_dies(checkpoint, tmp_path):
     directory, _ = checkpoint
     pid_file = tmp_path / "pids"
