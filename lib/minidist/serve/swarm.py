@@ -5,14 +5,14 @@ A 176B model does not fit one machine, but its 70 blocks can be spread over many
 holds only the embeddings and the head runs the model by sending hidden states from server
 to server. Here each server is a process, and the "network" a socket per server::
 
-                 client                                  servers (one process each)
-    ┌──────────────────────────────┐
-    │ ids ─► embeddings ─► h (B,T,d)│ ── h ──────►  server 0: blocks 0..1   (KV cache per session)
-    │                               │ ◄─ h' ──────┘
-    │                               │ ── h' ─────►  server 1: blocks 2..3   (KV cache per session)
-    │ logits ◄─ head ◄─ final norm  │ ◄─ h'' ─────┘
-    │ (+ LoRA matrices, prompts)    │              server 2: blocks 0..3   (spare: failover)
-    └──────────────────────────────┘
+                  client                               servers (one process each)
+    ┌────────────────────────────────┐
+    │ ids ─► embeddings ─► h (B,T,d) │ ── h ───►  server 0: blocks 0..1  (KV cache per session)
+    │                                │ ◄─ h' ──┘
+    │                                │ ── h' ──►  server 1: blocks 2..3  (KV cache per session)
+    │ logits ◄─ head ◄─ final norm   │ ◄─ h'' ─┘
+    │ (+ LoRA matrices, prompts)     │            server 2: blocks 0..3  (a spare, for failover)
+    └────────────────────────────────┘
 
 Only hidden states travel: B·T·d numbers per hop (with a KV cache, T = 1 per generated token),
 never weights. The client talks to each server in turn (``route`` picks the chain).
