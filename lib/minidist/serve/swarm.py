@@ -228,6 +228,7 @@ class Swarm:
 
     ``request(i, op, **fields)`` is the raw call (see ``_server`` for the requests); ``kill(i)``
     SIGKILLs server i (the client notices at its next request, as it would a crashed machine).
+    One request at a time per swarm: use it from one thread.
     """
 
     def __init__(
