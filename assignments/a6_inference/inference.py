@@ -42,7 +42,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 __all__ = [
     "NF4_VALUES",
@@ -146,6 +145,11 @@ class NF4Weight:
     scales: torch.Tensor
     shape: tuple[int, ...]
     block: int
+
+    @property
+    def numel(self) -> int:
+        """How many weights the tensor had (the padding not counted)."""
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:

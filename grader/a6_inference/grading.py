@@ -40,6 +40,7 @@ SIMILAR_TO = ("lib/minidist/quant.py", "lib/minidist/models/generate.py")
 #: functions the stub gives (every submission has them), and the canonical one-liners: not compared
 GIVEN_FUNCTIONS = (
     "NF4Weight.nbytes",
+    "NF4Weight.numel",
     "DecoderBlock.__init__",
     "TinyDecoder.__init__",
     # not given, but not compared either: their docstrings dictate the one line every correct

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 __all__ = [
     "NF4_VALUES",
@@ -166,6 +165,11 @@ class NF4Weight:
     block: int
 
     @property
+    def numel(self) -> int:
+        """How many weights the tensor had (the padding not counted)."""
+        return math.prod(self.shape)
+
+    @property
     def nbytes(self) -> int:
         """Bytes of the stored tensors: the packed codes and the scales."""
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales))
@@ -198,7 +202,7 @@ def quantize_nf4(w: torch.Tensor, block: int = 64) -> NF4Weight:
     if w.numel() == 0:
         raise ValueError("cannot quantize an empty tensor")
     flat = w.detach().reshape(-1).float()
-    flat = F.pad(flat, (0, (-flat.numel()) % block))
+    flat = torch.cat([flat, flat.new_zeros((-flat.numel()) % block)])
     blocks = flat.reshape(-1, block)
     absmax = blocks.abs().amax(dim=1)
     safe = torch.where(absmax == 0, torch.ones_like(absmax), absmax)
@@ -215,8 +219,7 @@ def dequantize_nf4(q: NF4Weight) -> torch.Tensor:
     ### BEGIN SOLUTION TODO(task 3): write dequantize_nf4
     codes = unpack_4bit(q.packed).long().reshape(-1, q.block)
     values = torch.tensor(NF4_VALUES)[codes] * q.scales.float()[:, None]
-    n = math.prod(q.shape)
-    return values.reshape(-1)[:n].reshape(q.shape)
+    return values.reshape(-1)[: q.numel].reshape(q.shape)
     ### END SOLUTION
 
 

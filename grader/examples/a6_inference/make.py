@@ -168,7 +168,9 @@ FRAME_WALK = """    import sys
     spec = frame.f_locals.get("spec")
 """
 
-FUSED = """    batch, new, d = x_new.shape
+FUSED = """    from torch.nn import functional as F
+
+    batch, new, d = x_new.shape
     h = d // n_heads
 
     def split(t):
@@ -199,11 +201,7 @@ def build_dict() -> dict[str, dict[str, bytes]]:
     carol = unwritten(unwritten(source, 5, "decoder_step"), 5, "generate")
     dave = edit(edit(source, *LOW_FIRST_PACK), *LOW_FIRST_UNPACK)
     erin = replace_region(source, begin(5, "generate"), RECOMPUTE)
-    frank = edit(
-        source,
-        "from torch.nn import functional as F\n",
-        "from torch.nn import functional as F\n\n" + FRANK_IMPORT,
-    )
+    frank = edit(source, "from torch import nn\n", "from torch import nn\n\n" + FRANK_IMPORT)
     frank = replace_region(frank, begin(3, "quantize_nf4"), FRANK_NF4)
     fp32_inside = edit(source, *FP32_INSIDE_QUANTIZE)
     fp32_inside = edit(
