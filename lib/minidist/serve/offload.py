@@ -118,7 +118,8 @@ def _bytes_by_prefix(directory: str | os.PathLike, prefixes: list[str]) -> dict[
     out = dict.fromkeys(prefixes, 0)
     by_file: dict[str, list[str]] = {}
     for name, file in index.weight_map.items():
-        by_file.setdefault(file, []).append(name)
+        if name.startswith(tuple(prefixes)):
+            by_file.setdefault(file, []).append(name)
     for file, names in by_file.items():
         path = directory / file
         if not path.exists():
@@ -133,12 +134,6 @@ def _bytes_by_prefix(directory: str | os.PathLike, prefixes: list[str]) -> dict[
                         sl = f.get_slice(name)
                         out[prefix] += math.prod(sl.get_shape()) * _DTYPE_BYTES[sl.get_dtype()]
     return out
-
-
-def _scale(nbytes: int, dtype: torch.dtype | None, stored_element: int) -> int:
-    if dtype is None:
-        return nbytes
-    return nbytes // stored_element * torch.empty((), dtype=dtype).element_size()
 
 
 def block_bytes(directory: str | os.PathLike) -> list[int]:
@@ -161,7 +156,8 @@ def checkpoint_bytes(directory: str | os.PathLike) -> int:
 
 
 def budget_bytes(directory: str | os.PathLike) -> int:
-    """Weights resident at the peak of a streamed pass: the resident part + the 2 largest blocks.
+    """Weights resident at the peak of a streamed pass: the resident part + the 2 largest blocks
+    (the one computing and the one being prefetched; without prefetch one block suffices).
 
     (As stored; a ``dtype`` given to ``StreamedDecoder`` converts after reading, so the block
     as stored and its converted copy briefly coexist.)
