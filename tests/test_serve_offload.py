@@ -9,7 +9,9 @@ keeps every block (and one that loads the whole model).
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -196,6 +198,14 @@ def test_close_stops_the_thread_and_bad_input_is_refused(checkpoint):
         streamed(torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="no checkpoint index"):
         StreamedDecoder(directory / "nowhere")
+    forgotten = StreamedDecoder(directory, prefetch=True)  # never closed: collected, thread stopped
+    forgotten(torch.zeros(1, 3, dtype=torch.long))
+    del forgotten
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while len(loader_threads()) > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(loader_threads()) == before
 
 
 # --- resident memory, measured in child processes --------------------------------------------

@@ -195,7 +195,7 @@ class _Loader:
     taken for a later request's block. ``close()`` stops the thread (idempotent).
     """
 
-    def __init__(self, load, timeout: float) -> None:
+    def __init__(self, load: weakref.WeakMethod, timeout: float) -> None:
         self._load = load
         self._timeout = timeout
         self._requests: queue.Queue = queue.Queue()
@@ -212,7 +212,11 @@ class _Loader:
                 return
             serial, i = request
             try:
-                item = (serial, self._load(i), None)
+                load = self._load()  # a weak reference: a forgotten model can still be collected
+                if load is None:
+                    raise RuntimeError("the StreamedDecoder was garbage-collected")
+                item = (serial, load(i), None)
+                del load
             except BaseException as e:  # carried to the caller, never lost in this thread
                 item = (serial, None, e)
             self._results.put(item)
@@ -330,7 +334,9 @@ class StreamedDecoder:
         for part in (self.embeddings, self.final_norm):
             part.to(device=self.device, dtype=dtype).eval().requires_grad_(False)
             _touch_pages(part)
-        self._loader = _Loader(self._read_block, load_timeout) if prefetch else None
+        # The thread holds the model weakly, so a model dropped without close() is collected,
+        # and its __del__ stops the thread.
+        self._loader = _Loader(weakref.WeakMethod(self._read_block), load_timeout) if prefetch else None
         self._closed = False
 
     # -- reading and releasing blocks ----------------------------------------------------------
