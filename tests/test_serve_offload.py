@@ -163,6 +163,19 @@ def test_an_error_in_the_loader_thread_reaches_the_caller_and_the_model_recovers
         assert streamed.live_blocks() == 0
 
 
+def test_an_error_in_the_compute_leaves_no_block_behind(checkpoint):
+    model, directory = checkpoint
+    ids = torch.randint(97, (1, 6))
+    with StreamedDecoder(directory, prefetch=True) as streamed:
+        cache = gen.KVCache(4)
+        cache[0] = (torch.zeros(5, 4, 3, 8), torch.zeros(5, 4, 3, 8))  # another batch's cache
+        with pytest.raises(ValueError, match="another batch"):
+            streamed.step(torch.zeros(1, 1, dtype=torch.long), cache, past_len=3)
+        assert streamed.live_blocks() == 0  # block 1, already prefetched, was collected and dropped
+        with torch.no_grad():
+            assert torch.equal(streamed(ids), model(ids).logits)
+
+
 def test_a_read_slower_than_the_timeout_raises_and_its_late_block_is_dropped(checkpoint, monkeypatch):
     model, directory = checkpoint
     real, gate = shards.load_block, threading.Event()
