@@ -25,7 +25,8 @@ log-likelihood on held-out text,
 
 "as uncertain as a uniform choice among that many tokens". An untrained model's logits are
 nearly equal, so its perplexity is about the vocabulary size (8192); a unigram model (token
-frequencies, no context) is the baseline any language model must beat.
+frequencies, no context) is the baseline any language model must beat. Measured on the
+"eval" split (237 blocks of 128 tokens): untrained 8,459, unigram 1,050, the course model 419.
 
 ``perplexity_by_format`` puts the same model in fp32, bf16, int8 and NF4 side by side with the
 bytes its weights occupy. Only ``nn.Linear`` weights are quantized; the word table (which is
@@ -95,7 +96,8 @@ class Recipe:
 RECIPES: dict[str, Recipe] = {
     # BLOOM's layout at 1/112 of its width: 4 layers of d = 128, 4 heads, ALiBi, embedding
     # LayerNorm, the course's 8192-token vocabulary. 1.85M parameters, 1.05M of them the word table.
-    # 400 steps of 16 x 128 tokens = 0.82M tokens, under half an epoch of the 1.84M-token train split.
+    # 400 steps of 16 x 128 tokens = 0.82M tokens, under half an epoch of the 1.84M-token train split:
+    # about 130 s on two quiet cores (0.33 s a step), plus ~10 s to tokenise the split once.
     "course": Recipe(
         config=TransformerConfig(
             vocab_size=8192,
