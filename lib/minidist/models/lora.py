@@ -19,8 +19,9 @@ product of two thin matrices instead of a full (out × in) update::
 - **B starts at zero**, so B A = 0 and the adapted model is *exactly* the base model at step 0:
   training starts from what the pretrained model already does, not from a random perturbation
   of it. A starts random (N(0, 1/in): each of the r features of x Aᵀ has about the variance of
-  one input feature); if both were zero, no gradient would ever reach either (the gradient of B
-  is (x Aᵀ)ᵀ grad, of A is Bᵀ grad ... both zero).
+  one input feature). Why not both zero: with g = ∂loss/∂y, the gradients are
+  ∂B = s·gᵀ(x Aᵀ) and ∂A = s·(g B)ᵀ x, so with A = B = 0 both are zero and nothing ever moves;
+  with B = 0 alone, ∂B ≠ 0 at the first step and A follows once B has moved.
 - ``alpha / r`` keeps the size of the update about the same when r changes, so the learning
   rate need not be re-tuned per rank.
 - After training, B A s can be **merged** into W (``merge_lora``): the fine-tuned model then
@@ -459,10 +460,10 @@ def finetune(
 
 
 def _mean_loss(model: nn.Module, blocks: torch.Tensor, batch_size: int) -> float:
+    """Mean next-token loss over ``blocks`` (all have seq_len - 1 targets, so a mean of batch means
+    weighted by batch size is the exact mean)."""
     with torch.no_grad():
-        total = sum(
-            model(b, labels=b).loss.item() * len(b) for b in blocks.split(batch_size)
-        )  # each block has the same number of targets, so weighting by blocks is exact
+        total = sum(model(b, labels=b).loss.item() * len(b) for b in blocks.split(batch_size))
     return total / len(blocks)
 
 
