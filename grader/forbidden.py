@@ -6,11 +6,15 @@ parameter-server and Hogwild trainers). ``check(source, rules)`` reads the submi
 tree -- it never runs it -- and returns the first ``Refusal`` (line, what, why) or None:
 
 * an ``import`` or ``from ... import`` of a forbidden module or name, or of a module no task
-  needs (``REFUSED_IMPORTS``), or of the tools that load or run code behind the reader's back
+  needs (``REFUSED_IMPORTS``), or of a private module or name (``torch._C._nn``), or of the
+  tools that load or run code behind the reader's back
   (``importlib``, ``runpy``, ``builtins``, ``gc``, ``inspect``, ``ctypes``, ``marshal``, ...);
 * an attribute chain that resolves, through the file's imports, to a forbidden name
   (``md.allreduce``, ``minidist.collectives.ring.ring_allgather_``, ``dist.all_reduce``), also as
-  ``getattr(md, "allreduce")`` with a literal name;
+  ``getattr(md, "allreduce")`` with a literal name; and, on any object, the attribute names an
+  assignment refuses by their last name (``REFUSED_ATTRIBUTES``, optional: a6's
+  ``scaled_dot_product_attention``, which ``torch.ops.aten`` and every module that imports
+  ``F`` re-export);
 * a string literal that names a forbidden module or name (``"minidist.collectives"``);
 * the builtins that run or look up code dynamically (``exec``, ``eval``, ``compile``,
   ``__import__``, ``globals``, ``vars``, ``open``, ``breakpoint``), dunder attributes other
@@ -120,6 +124,10 @@ class Rules:
     names: tuple[str, ...]
     refused_imports: tuple[str, ...]
     instead: str
+    #: attribute names refused on any object (``REFUSED_ATTRIBUTES``, optional): a C function
+    #: that other modules re-export (``activation.F.scaled_dot_product_attention``,
+    #: ``torch.ops.aten.scaled_dot_product_attention``) is refused by its last name
+    attributes: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, rules: ModuleType) -> Rules:
@@ -128,6 +136,7 @@ class Rules:
             tuple(rules.FORBIDDEN_NAMES),
             tuple(rules.REFUSED_IMPORTS),
             rules.ALLOWED_INSTEAD,
+            tuple(getattr(rules, "REFUSED_ATTRIBUTES", ())),
         )
 
     def forbidden(self, dotted: str) -> str | None:
@@ -173,6 +182,10 @@ class _Checker:
             self.refuse(
                 node, f"import {dotted}", f"{hit} loads or inspects code; a submission may not use it"
             )
+        elif any(_private(part) for part in dotted.split(".")):
+            self.refuse(node, f"import {dotted}", "a private module or name of another package")
+        elif dotted.split(".")[-1] in self.rules.attributes:
+            self.refuse(node, f"import {dotted}", f"{dotted.split('.')[-1]} {_ALREADY}")
 
     def import_(self, node: ast.Import) -> None:
         for alias in node.names:
@@ -234,6 +247,8 @@ class _Checker:
             self.refuse(node, ast.unparse(node), "the grader's communicator wrapper is not yours to open")
         elif attr in FRAME_ATTRIBUTES:
             self.refuse(node, ast.unparse(node), "it reaches a running frame and the grader's variables")
+        elif attr in self.rules.attributes:
+            self.refuse(node, ast.unparse(node), f"{attr} {_ALREADY}")
         elif (
             attr.startswith("_")
             and id(node.value) not in self.own
@@ -296,6 +311,8 @@ class _Checker:
             *FRAME_ATTRIBUTES,
         ):
             self.refuse(node, ast.unparse(node)[:80], "a private attribute of an object that is not yours")
+        elif name in self.rules.attributes:
+            self.refuse(node, ast.unparse(node)[:80], f"{name} {_ALREADY}")
         if node.func.id == "getattr":
             self._check_reference(node)
 
@@ -321,6 +338,11 @@ class _Checker:
                 if name in node.value:
                     self.refuse(node, repr(node.value)[:60], f"the string names {name}, which is forbidden")
                     return
+
+
+def _private(name: str) -> bool:
+    """``_C``, ``_python_dispatch``: private; ``__future__``: not."""
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
 def _binds_name(tree: ast.Module, name: str) -> bool:

@@ -9,7 +9,9 @@ and the run time guard refuse the library's and torch's quantization and attenti
 example students of ``grader/examples/a6_inference/make.py`` (correct, two partial ones, packing
 the wrong way round, recomputing instead of caching, the library's NF4; and the red team's
 cheats: fp32 weights kept in the object, in a larger storage behind the packed view, float
-"codes", frame walking, torch's fused attention) and the released stub get exactly their expected
+"codes", frame walking, torch's fused attention; and the second red team's: fused attention as
+``torch.ops.aten`` or flex_attention, numel that lies under a mode, vmap or a tensor subclass, the
+weights read back through autograd or a trace) and the released stub get exactly their expected
 scores on a six-test subset of the hidden tests that tells them apart (one batch, ``--jobs 2``,
 a fixed seed key; about 2 minutes on 2 busy cores).
 """
@@ -30,7 +32,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from grader import forbidden, similarity
+from grader import forbidden, guard, similarity
 from grader.examples.a6_inference import make
 from minidist import quant
 
@@ -279,6 +281,69 @@ def test_given_functions_name_functions_of_the_solution():
     assert set(grading.GIVEN_FUNCTIONS) <= names, set(grading.GIVEN_FUNCTIONS) - names
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit.trace, tried on purpose
+def test_the_projections_refuse_what_intercepts_them_and_keep_no_graph():
+    """A mode, a subclass, vmap or a trace would make numel lie or hand over the weight; a
+    graph would give it back through gradients (``examples/a6_inference/make.py``)."""
+    from torch.overrides import TorchFunctionMode
+
+    seen: list = []
+    weight, bias = torch.randn(6, 6), torch.randn(6)
+    projection = workers.projection(weight, bias, seen, 0, "k")
+    x = torch.randn(2, 3, 6, requires_grad=True)
+    out = projection(x)
+    assert torch.allclose(out, F.linear(x, weight, bias)) and seen == [[0, "k", 6]]
+    assert out.grad_fn is None and not out.requires_grad  # no way back to the weight
+
+    class Sub(torch.Tensor):
+        pass
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def under_mode():
+        with Mode():
+            projection(x.detach())
+
+    for attempt in (
+        lambda: projection(x.detach().as_subclass(Sub)),
+        under_mode,
+        lambda: torch.vmap(projection, in_dims=1)(x.detach()),
+        lambda: torch.jit.trace(projection, x.detach(), check_trace=False),
+    ):
+        with pytest.raises(PermissionError, match=guard.MARKER):
+            attempt()
+    assert len(seen) == 1  # none of them was counted
+
+
+def test_the_worker_refuses_a_mode_left_active_and_walks_slots():
+    from torch.overrides import TorchFunctionMode
+
+    def left():
+        with TorchFunctionMode():
+            yield
+
+    workers.untouched("nothing")
+    generator = left()
+    next(generator)
+    try:
+        with pytest.raises(PermissionError, match="still active after quantize_int8"):
+            workers.untouched("quantize_int8")
+    finally:
+        generator.close()
+    workers.untouched("nothing")
+
+    class Slots:
+        __slots__ = ("packed", "scales", "original")
+
+    q = Slots()
+    q.packed, q.scales, q.original = torch.zeros(4, dtype=torch.uint8), torch.ones(1), torch.ones(8)
+    assert workers.stored(q)["bytes"] == 4 + 4 + 32  # a slot is no hiding place
+    with pytest.raises(TypeError, match="plain tensors"):
+        workers.stored([torch.zeros(3).as_subclass(type("Sub", (torch.Tensor,), {}))])
+
+
 # --- intake and run time ---------------------------------------------------------------------------
 def test_the_intake_check_accepts_the_solution_and_refuses_the_library():
     rules = grading.FORBIDDEN
@@ -302,8 +367,30 @@ def test_the_intake_check_accepts_the_solution_and_refuses_the_library():
         "from transformers import DynamicCache",
         "import sys\nframe = sys.exc_info()[2].tb_frame.f_back",
         "import subprocess\nsubprocess.run(['cp', 'a', 'b'])",
+        # the second red team's: fused attention and quantization under other names, and the
+        # tools that intercept the grader's projections or read their weights
+        "import torch\ntorch.ops.aten.scaled_dot_product_attention(q, k, v)",
+        "import torch\ntorch.ops.aten.quantize_per_tensor(x, 0.1, 0, torch.qint8)",
+        "from torch.nn.modules import activation\nactivation.F.scaled_dot_product_attention(q, k, v)",
+        "from torch._C._nn import scaled_dot_product_attention",
+        "import torch.utils._python_dispatch",
+        "from torch.nn.attention.flex_attention import flex_attention",
+        "from torch.overrides import TorchFunctionMode",
+        "import torch\nclass M(torch.overrides.TorchFunctionMode): pass",
+        "import torch\ntorch.vmap(f)(x)",
+        "from torch.nn import functional as F\nF.torch.func.vmap(f)",
+        "import torch\ntorch.autograd.functional.jacobian(f, x)",
+        "import torch\ntorch.jit.trace(f, x)",
+        "import torch\ntorch.compile(f)",
+        "import torch.fx",
     ):
         assert forbidden.check(code, rules) is not None, code
+    for code in (  # what a correct submission writes stays allowed
+        "import torch\ntorch.softmax(x, dim=-1)",
+        "from __future__ import annotations",
+        "import torch\nwith torch.no_grad():\n    y = x @ w",
+    ):
+        assert forbidden.check(code, rules) is None, code
 
 
 GUARD_PROBE = """
@@ -399,4 +486,12 @@ def test_the_examples_and_the_stub_get_their_scores(tmp_path):
     assert "dtype" in (out / "int8_float" / "feedback.md").read_text()
     assert "tb_frame" in book["frame_walk"]["reason"]
     assert "scaled_dot_product_attention" in book["fused_attention"]["reason"]
+    # the second red team's, closed (``make.LOST``)
+    assert "scaled_dot_product_attention" in book["ops_attention"]["reason"]
+    assert "torch.nn.attention" in book["flex_attention"]["reason"]
+    assert "torch.overrides" in book["mode_numel"]["reason"]
+    assert "vmap" in book["vmap_rows"]["reason"]
+    for cheat, why in (("subclass_numel", "OneRow"), ("traced_weights", "compiled or traced")):
+        assert why in book[cheat]["reason"] and "run time" in book[cheat]["reason"], book[cheat]
+    assert "does not require grad" in (out / "autograd_weights" / "feedback.md").read_text()
     assert float(book["alice"]["similarity"]) < similarity.FLAG_AT

@@ -53,6 +53,52 @@ REFUSED_IMPORTS = (
     "awq",
     "subprocess",
     "multiprocessing",
+    # every aten operator under another name (torch.ops.aten.scaled_dot_product_attention)
+    "torch.ops",
+    # flex_attention and the attention back ends
+    "torch.nn.attention",
+    # what intercepts the grader's projections: modes that see their weights and make their
+    # inputs' numel lie, vmap (a batch the projection does not see), jacobians (the weights back
+    # from one call); the projection refuses them at run time too (workers.projection)
+    "torch.overrides",
+    "torch.func",
+    "functorch",
+    "torch.vmap",
+    "torch.autograd.functional",
+    "torch.autograd.forward_ad",
+    # what records a projection's call with its weights inside: a traced graph's constants, a
+    # compiler back end's inputs (refused at run time too)
+    "torch.jit",
+    "torch.compile",
+    "torch.compiler",
+    "torch.fx",
+    "torch.export",
+)
+
+#: attribute names refused on any object: torch's fused attention and quantization are C
+#: functions that many modules re-export (``torch.ops.aten.scaled_dot_product_attention``,
+#: ``torch.nn.modules.activation.F.scaled_dot_product_attention``), and the tools above
+REFUSED_ATTRIBUTES = (
+    "scaled_dot_product_attention",
+    "multi_head_attention_forward",
+    "MultiheadAttention",
+    "flex_attention",
+    "quantize_per_tensor",
+    "quantize_per_tensor_dynamic",
+    "quantize_per_channel",
+    "fake_quantize_per_tensor_affine",
+    "fake_quantize_per_channel_affine",
+    "fake_quantize_per_tensor_affine_cachemask",
+    "fake_quantize_per_channel_affine_cachemask",
+    "TorchFunctionMode",
+    "TorchDispatchMode",
+    "vmap",
+    "jacobian",
+    "jacrev",
+    "jacfwd",
+    "functional_call",
+    "code_with_constants",
+    "symbolic_trace",
 )
 
 #: the run time guard refuses to start a process (a child could copy the library's files)

@@ -43,12 +43,36 @@ _CLONE = torch.Tensor.clone
 _DETACH = torch.Tensor.detach
 _CONTIGUOUS = torch.Tensor.contiguous
 _IS_TENSOR = torch.is_tensor
+_NO_GRAD = torch.no_grad
+_PLAIN = (torch.Tensor, nn.Parameter)
+#: what can stand between the student's code and the grader's: a torch function mode (it sees
+#: every call, the projections' weights among the arguments, and can make numel lie), a
+#: dispatch mode, and functorch's wrappers (vmap: a batch dimension the projection does not see)
+_FUNCTION_MODE = torch._C._is_torch_function_mode_enabled
+_DISPATCH_MODES = torch._C._len_torch_dispatch_stack
+_WRAPPED = torch._C._functorch.is_functorch_wrapped_tensor
+#: and what records a call with the weights in it: torch.jit.trace (its graph's constants) and
+#: torch.compile (its backend gets the closure's tensors as inputs)
+_TRACING = torch._C._get_tracing_state
+_COMPILING = torch.compiler.is_compiling
+
+
+def untouched(where: str) -> None:
+    """Refuse (as the guard does) a mode left active by the student's code: the grader's own code
+    after the call -- its copies and its storage walk -- would run through it."""
+    if _FUNCTION_MODE() or _DISPATCH_MODES():
+        raise PermissionError(
+            f"{guard.MARKER} a torch function or dispatch mode still active after {where}: the "
+            "grader's code would run through it"
+        )
 
 
 def student():
     """The student's module, imported after the guard refuses the library's versions."""
     guard.install_rules(rules)
-    return importlib.import_module("inference")
+    module = importlib.import_module("inference")
+    untouched("importing inference.py")
+    return module
 
 
 # --- data ----------------------------------------------------------------------------------------
@@ -113,6 +137,8 @@ def stored(value, depth: int = 0, seen: dict | None = None) -> dict:
         if level > 6:
             return
         if _IS_TENSOR(item):
+            if type(item) not in _PLAIN:  # its __torch_function__ would answer for it
+                raise TypeError(f"{path} is a {type(item).__name__}: return plain tensors")
             storage = item.untyped_storage()
             key = storage.data_ptr()
             if key not in seen:
@@ -129,9 +155,14 @@ def stored(value, depth: int = 0, seen: dict | None = None) -> dict:
                 visit(inner, f"{path}[{index}]", level + 1)
         elif isinstance(item, (type, types.ModuleType, types.FunctionType, types.MethodType)):
             return  # code, not data
-        elif hasattr(item, "__dict__"):
-            for name, inner in vars(item).items():
+        else:
+            for name, inner in (getattr(item, "__dict__", None) or {}).items():
                 visit(inner, f"{path}.{name}", level + 1)
+            for cls in type(item).__mro__:  # attributes in __slots__ have no __dict__ entry
+                names = getattr(cls, "__slots__", ())
+                for name in (names,) if isinstance(names, str) else names:
+                    if name not in ("__dict__", "__weakref__") and hasattr(item, name):
+                        visit(getattr(item, name), f"{path}.{name}", level + 1)
 
     visit(value, "q", depth)
     return {"bytes": sum(t[3] for t in tensors), "tensors": tensors}
@@ -143,8 +174,19 @@ def projection(weight: torch.Tensor, bias: torch.Tensor, seen: list, layer: int,
 
     class Projection(nn.Module):
         def forward(self, x):
+            if _COMPILING() or _TRACING() is not None:
+                raise PermissionError(
+                    f"{guard.MARKER} the {name} projection was compiled or traced: call it, on plain tensors"
+                )
+            if type(x) is not torch.Tensor or _FUNCTION_MODE() or _DISPATCH_MODES() or _WRAPPED(x):
+                raise PermissionError(
+                    f"{guard.MARKER} the {name} projection was called on a "
+                    f"{type(x).__name__} under a torch function or dispatch mode or vmap: "
+                    "call the projections on plain tensors"
+                )
             seen.append([layer, name, int(_NUMEL(x) // x.shape[-1])])
-            return _LINEAR(x, weight, bias)
+            with _NO_GRAD():  # no graph back to the weights (a jacobian would read them)
+                return _LINEAR(_DETACH(x), weight, bias)  # detach: no forward-mode tangent either
 
     return Projection()
 
@@ -258,13 +300,16 @@ def past_kv(spec: dict, w: dict, x: torch.Tensor):
 
 
 def _tensor_or_text(value):
-    return _CLONE(_DETACH(value)) if _IS_TENSOR(value) else f"not a tensor: {type(value).__name__}"
+    if type(value) in _PLAIN:
+        return _CLONE(_DETACH(value))
+    return f"not a plain tensor: {type(value).__name__}"  # a subclass's __torch_function__ would answer
 
 
 # --- jobs ------------------------------------------------------------------------------------------
 def int8_quantize(comm, spec: dict) -> dict:
     inference = student()
     codes, scale = inference.quantize_int8(weights(spec))
+    untouched("quantize_int8")
     return {
         "codes": _tensor_or_text(codes),
         "scale": _tensor_or_text(scale),
@@ -275,19 +320,22 @@ def int8_quantize(comm, spec: dict) -> dict:
 def int8_dequantize(comm, spec: dict) -> dict:
     inference = student()
     codes, scale = int8_codes(spec)
-    return {"out": _tensor_or_text(inference.dequantize_int8(codes, scale))}
+    out = inference.dequantize_int8(codes, scale)
+    untouched("dequantize_int8")
+    return {"out": _tensor_or_text(out)}
 
 
 def pack(comm, spec: dict) -> dict:
     inference = student()
     packed = inference.pack_4bit(nibble_codes(spec).reshape(spec["codes_shape"]))
     unpacked = inference.unpack_4bit(random_bytes(spec, spec["n"] // 2))
+    untouched("pack_4bit and unpack_4bit")
     return {"packed": _tensor_or_text(packed), "unpacked": _tensor_or_text(unpacked)}
 
 
 def _field(q, name: str):
     value = getattr(q, name, None)
-    if _IS_TENSOR(value):
+    if type(value) in _PLAIN:
         return _CLONE(_CONTIGUOUS(_DETACH(value)))
     if name == "shape" and isinstance(value, (tuple, list, torch.Size)):
         return [int(s) for s in value]
@@ -299,6 +347,7 @@ def _field(q, name: str):
 def nf4_quantize(comm, spec: dict) -> dict:
     inference = student()
     q = inference.quantize_nf4(weights(spec), block=spec["block"])
+    untouched("quantize_nf4")
     return {
         "type": type(q).__name__,
         **{name: _field(q, name) for name in ("packed", "scales", "shape", "block")},
@@ -310,13 +359,17 @@ def nf4_dequantize(comm, spec: dict) -> dict:
     inference = student()
     packed, scales = nf4_stored(spec)
     q = inference.NF4Weight(packed, scales, tuple(spec["shape"]), spec["block"])
-    return {"out": _tensor_or_text(inference.dequantize_nf4(q))}
+    out = inference.dequantize_nf4(q)
+    untouched("dequantize_nf4")
+    return {"out": _tensor_or_text(out)}
 
 
 def nf4_round_trip(comm, spec: dict) -> dict:
     inference = student()
     q = inference.quantize_nf4(weights(spec), block=spec["block"])
-    return {"out": _tensor_or_text(inference.dequantize_nf4(q))}
+    out = inference.dequantize_nf4(q)
+    untouched("quantize_nf4 and dequantize_nf4")
+    return {"out": _tensor_or_text(out)}
 
 
 def attention(comm, spec: dict) -> dict:
@@ -330,6 +383,7 @@ def attention(comm, spec: dict) -> dict:
     projections = [projection(w[f"0.{n}.weight"], w[f"0.{n}.bias"], seen, 0, n) for n in PROJECTIONS]
     with torch.no_grad():
         out, kv = inference.attention_step(*projections, spec["heads"], x[:, spec["past"] :], past)
+    untouched("attention_step")
     k, v = (kv[0], kv[1]) if isinstance(kv, (tuple, list)) and len(kv) == 2 else (kv, None)
     return {"out": _tensor_or_text(out), "k": _tensor_or_text(k), "v": _tensor_or_text(v), "seen": seen}
 
@@ -341,4 +395,5 @@ def generation(comm, spec: dict) -> dict:
     seen: list = []
     model = decoder(spec, seen)
     ids = inference.generate(model, prompt(spec), spec["new_tokens"], use_cache=spec["use_cache"])
+    untouched("generate")
     return {"ids": _tensor_or_text(ids), "seen": seen}

@@ -30,6 +30,29 @@ The red team's cheats, each graded to nothing for what it cheats on:
 * ``fused_attention``: ``attention_step`` with ``F.scaled_dot_product_attention``: refused at
   intake.
 
+The second red team's (each of these scored what it cheats on before it was closed):
+
+* ``ops_attention``: the same fused attention as ``torch.ops.aten.scaled_dot_product_attention``
+  (the intake check matched dotted names only): refused at intake by the name on any object
+  (``rules.REFUSED_ATTRIBUTES``);
+* ``flex_attention``: ``torch.nn.attention.flex_attention``: refused at intake;
+* ``mode_numel``: ``generate`` recomputes the whole sequence at every step under a
+  ``TorchFunctionMode`` that makes ``Tensor.numel`` say one token per sequence, so the grader's
+  projections log one token (the mode also sees their weights): refused at intake
+  (``torch.overrides``) and at run time (the projections refuse an active mode);
+* ``vmap_rows``: the same through ``torch.vmap`` over the tokens (the projection sees one token's
+  slice of a batch it cannot see): refused at intake, and at run time (functorch's wrappers);
+* ``subclass_numel``: the same with a tensor subclass whose ``__torch_function__`` answers
+  ``numel``; nothing the intake check can name: the projections refuse any input that is not a
+  plain tensor at run time: status ``forbidden``;
+* ``autograd_weights``: one call per projection on the newest token with a graph, then
+  ``torch.autograd.grad`` row by row gives the projection's weight back; the whole sequence is
+  recomputed with it: the projections now run under ``no_grad`` on a detached input, so there is
+  no graph (the cached generation fails, status ``ok``);
+* ``traced_weights``: ``torch.jit.trace`` of a projection (reached as ``F.torch.jit``, past the
+  intake check's names) keeps the weight among the graph's constants: the projections refuse
+  being traced or compiled at run time: status ``forbidden``.
+
 ``LOST`` lists the hidden tests each one fails; ``EXPECTED`` holds the status and score each
 must get on all the hidden tests (``expected_score`` for a subset). The submissions are generated
 from ``solutions/`` (so they follow the assignment when it changes); nothing here is committed
@@ -81,6 +104,13 @@ LOST = {
     "int8_float": ("ok", (*_named("test_int8_quantize["), "test_int8_memory")),
     "frame_walk": ("forbidden", _ALL),
     "fused_attention": ("forbidden", _ALL),
+    "ops_attention": ("forbidden", _ALL),
+    "flex_attention": ("forbidden", _ALL),
+    "mode_numel": ("forbidden", _ALL),
+    "vmap_rows": ("forbidden", _ALL),
+    "subclass_numel": ("forbidden", _ALL),
+    "autograd_weights": ("ok", _named("test_generate_with_cache[", "test_generate_uses_the_cache")),
+    "traced_weights": ("forbidden", _ALL),
 }
 
 
@@ -187,6 +217,150 @@ FUSED = """    from torch.nn import functional as F
 """
 
 
+OPS_ATTENTION = FUSED.replace("    from torch.nn import functional as F\n\n", "").replace(
+    "F.scaled_dot_product_attention(", "torch.ops.aten.scaled_dot_product_attention("
+)
+
+FLEX = FUSED.replace(
+    "    from torch.nn import functional as F\n",
+    "    from torch.nn.attention.flex_attention import flex_attention\n",
+).replace(
+    """    mask = torch.arange(past + new)[None, :] <= past + torch.arange(new)[:, None]
+    mixed = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+""",
+    """
+    def causal(score, b, head, i, j):
+        return torch.where(j <= past + i, score, -float("inf"))
+
+    mixed = flex_attention(q, k, v, score_mod=causal)
+""",
+)
+
+#: generate without a cache: the prompt, then the whole sequence again at every step, on
+#: ``VIEW(model)`` (the model with each projection p replaced by ``SWAP(p)``)
+VIEW = """    class Parts:
+        \"\"\"A block's modules.\"\"\"
+
+    class View:
+        \"\"\"The model, with every projection p replaced by swap(p).\"\"\"
+
+        def __init__(self, model, swap):
+            self.word, self.position, self.norm = model.word, model.position, model.norm
+            self.head, self.n_heads, self.blocks = model.head, model.n_heads, []
+            for block in model.blocks:
+                parts = Parts()
+                parts.norm1, parts.norm2, parts.mlp = block.norm1, block.norm2, block.mlp
+                parts.q, parts.k, parts.v, parts.o = (swap(p) for p in (block.q, block.k, block.v, block.o))
+                self.blocks.append(parts)
+
+"""
+NO_CACHE = """    ids = input_ids
+    for step in range(max_new_tokens):
+        if step == 0 or not use_cache:
+            logits, _ = decoder_step(model, ids)
+        else:
+            logits, _ = decoder_step(MODEL, ids)  # the whole sequence again
+        ids = torch.cat([ids, logits[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+    return ids
+"""
+
+#: numel says one token per sequence (and the mode sees every weight the projections use)
+MODE_NUMEL = """    from torch.overrides import TorchFunctionMode
+
+    class OneRow(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.Tensor.numel and args[0].dim() == 3:
+                return args[0].shape[0] * args[0].shape[-1]
+            return out
+
+    ids = input_ids
+    for step in range(max_new_tokens):
+        if step == 0 or not use_cache:
+            logits, _ = decoder_step(model, ids)
+        else:
+            with OneRow():
+                logits, _ = decoder_step(model, ids)  # the whole sequence, counted as one token
+        ids = torch.cat([ids, logits[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+    return ids
+"""
+
+VMAP_ROWS = (
+    VIEW
+    + """    def tokenwise(projection):
+        return lambda x: torch.vmap(projection, in_dims=1, out_dims=1)(x)
+
+"""
+    + NO_CACHE.replace("MODEL", "View(model, tokenwise)")
+)
+
+SUBCLASS_NUMEL = (
+    VIEW
+    + """    class OneRow(torch.Tensor):
+        \"\"\"A tensor that says it holds one token per sequence.\"\"\"
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            plain = [a.as_subclass(torch.Tensor) if isinstance(a, OneRow) else a for a in args]
+            out = func(*plain, **(kwargs or {}))
+            if func is torch.Tensor.numel:
+                return args[0].shape[0] * args[0].shape[-1]
+            return out
+
+    def counted_as_one(projection):
+        return lambda x: projection(x.as_subclass(OneRow)).as_subclass(torch.Tensor)
+
+"""
+    + NO_CACHE.replace("MODEL", "View(model, counted_as_one)")
+)
+
+#: one call per projection on the newest token per step; the first with a graph (or a trace)
+#: that gives the weight back; then the whole sequence with the stolen weight
+STOLEN = """    stolen = {}
+
+    def own(projection):
+        def call(x):
+            new = x[:, -1]
+            if projection in stolen:
+                projection(new)  # for the count
+            else:
+STEAL
+            w, b = stolen[projection]
+            return x @ w.T + b
+
+        return call
+
+"""
+AUTOGRAD_STEAL = """                with torch.enable_grad():
+                    probe = new.clone().requires_grad_(True)
+                    y = projection(probe)
+                    rows = [
+                        torch.autograd.grad(y[0, i], probe, retain_graph=True)[0][0]
+                        for i in range(y.shape[1])
+                    ]
+                w = torch.stack(rows)
+                stolen[projection] = (w, y[0].detach() - new[0] @ w.T)"""
+TRACE_STEAL = """                graph = F.torch.jit.trace(projection, new, check_trace=False).graph
+                found = [
+                    node.t("value")
+                    for node in graph.nodes()
+                    if node.kind() == "prim::Constant"
+                    and node.hasAttribute("value")
+                    and node.kindOf("value") == "t"
+                ]
+                w = next(t for t in found if t.dim() == 2)
+                stolen[projection] = (w, next(t for t in found if t.dim() == 1))"""
+AUTOGRAD_WEIGHTS = (
+    VIEW + STOLEN.replace("STEAL", AUTOGRAD_STEAL) + NO_CACHE.replace("MODEL", "View(model, own)")
+)
+TRACED_WEIGHTS = (
+    "    from torch.nn import functional as F\n\n"
+    + VIEW
+    + STOLEN.replace("STEAL", TRACE_STEAL)
+    + NO_CACHE.replace("MODEL", "View(model, own)")
+)
+
+
 def build_dict() -> dict[str, dict[str, bytes]]:
     source = (FOLDER / "inference.py").read_text()
     bob = source
@@ -214,6 +388,15 @@ def build_dict() -> dict[str, dict[str, bytes]]:
     int8_float = replace_region(source, begin(1, "quantize_int8"), INT8_FLOAT)
     frame_walk = edit(source, begin(5, "generate"), begin(5, "generate") + FRAME_WALK)
     fused = replace_region(source, begin(4, "attention_step"), FUSED)
+    second = {
+        "ops_attention": replace_region(source, begin(4, "attention_step"), OPS_ATTENTION),
+        "flex_attention": replace_region(source, begin(4, "attention_step"), FLEX),
+        "mode_numel": replace_region(source, begin(5, "generate"), MODE_NUMEL),
+        "vmap_rows": replace_region(source, begin(5, "generate"), VMAP_ROWS),
+        "subclass_numel": replace_region(source, begin(5, "generate"), SUBCLASS_NUMEL),
+        "autograd_weights": replace_region(source, begin(5, "generate"), AUTOGRAD_WEIGHTS),
+        "traced_weights": replace_region(source, begin(5, "generate"), TRACED_WEIGHTS),
+    }
     students = {
         "alice": source,
         "bob": bob,
@@ -226,6 +409,7 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         "int8_float": int8_float,
         "frame_walk": frame_walk,
         "fused_attention": fused,
+        **second,
     }
     assert list(students) == list(LOST)
     return {name: {FILES[0]: text.encode()} for name, text in students.items()}
