@@ -15,8 +15,10 @@ quantizer or a wrong KV cache shows up as a worse perplexity:
 Training (``train``): AdamW (weight decay on matrices only), the learning rate warmed up
 linearly then decayed along half a cosine, gradient norm clipped to 1, batches drawn from the
 "train" split's causal-LM blocks (``data.lm_dataset``) in a seeded random order. Every random
-number comes from the recipe's seed, so two clean machines train the same weights (up to
-floating-point summation order across CPU kernels).
+number comes from the recipe's seed, and training runs on ONE thread (``TRAIN_THREADS``): the
+CPU kernels split their sums differently with 1, 2 or 4 threads (4e-7 apart after 5 steps,
+measured), so a fixed thread count is what makes a student's laptop, CI and the committed
+notebook outputs train the same weights.
 
 Measuring a language model (``perplexity``): the exponential of the mean next-token negative
 log-likelihood on held-out text,
@@ -148,6 +150,9 @@ class TrainResult:
     cpu_seconds: float
 
 
+TRAIN_THREADS = 1
+
+
 def train(
     recipe: Recipe, tok: Tokenizer | None = None, blocks: torch.Tensor | None = None, log_every: int = 0
 ) -> TrainResult:
@@ -163,6 +168,15 @@ def train(
             f"the tokenizer has {tok.get_vocab_size()} tokens, the model {recipe.config.vocab_size}: "
             "use a config whose vocab_size is at least the tokenizer's"
         )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(TRAIN_THREADS)  # reproducible sums (module docstring); restored below
+    try:
+        return _train(recipe, blocks, log_every)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _train(recipe: Recipe, blocks: torch.Tensor, log_every: int) -> TrainResult:
     torch.manual_seed(recipe.seed)
     model = DecoderLM(recipe.config)
     optimizer = torch.optim.AdamW(param_groups(model, recipe.weight_decay), lr=recipe.lr, betas=(0.9, 0.95))
@@ -215,7 +229,7 @@ def checkpoint_dir(name: str = "course") -> Path:
             "recipe": {**dataclasses.asdict(recipe), "config": dataclasses.asdict(recipe.config)},
             "train_seconds": round(result.train_seconds, 1),
             "cpu_seconds": round(result.cpu_seconds, 1),
-            "threads": torch.get_num_threads(),
+            "threads": TRAIN_THREADS,
             "first_loss": result.losses[0],
             "final_loss": sum(result.losses[-20:]) / len(result.losses[-20:]),
             "eval_perplexity": perplexity(result.model, "eval", recipe.seq_len, tok=tok),
