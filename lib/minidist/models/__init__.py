@@ -1,5 +1,9 @@
 """Course models (layer 5): one transformer (``transformer``) under BERT (``bert``) and a decoder LM.
 
+Lecture 9 adds, imported on demand (``from minidist.models import generate``): ``shards``
+(safetensors checkpoints with an index), ``pretrained`` (the course's small trained decoder,
+cached), ``generate`` (KV cache, incremental greedy decoding) and ``lora`` (LoRA, prompt tuning).
+
 from minidist.models import bert, decoder
 model = bert.BertForMLM(bert.CONFIGS["mini"])
 with torch.device("meta"):
