@@ -315,6 +315,20 @@ def test_the_projections_refuse_what_intercepts_them_and_keep_no_graph():
         with pytest.raises(PermissionError, match=guard.MARKER):
             attempt()
     assert len(seen) == 1  # none of them was counted
+    stolen: list = []
+    library = torch.library.Library("aten", "IMPL")  # a kernel over aten's own
+
+    def addmm(bias, x, weight_t, beta=1, alpha=1):
+        stolen.append(weight_t)
+        return torch.ops.aten.add(torch.ops.aten.mm(x, weight_t), bias)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "overriding a previously registered kernel"
+        library.impl("addmm", addmm, "CPU")
+    try:
+        assert torch.allclose(projection(x), out) and stolen == []  # numpy: no aten op sees the weight
+    finally:
+        library._destroy()
 
 
 def test_the_worker_refuses_a_mode_left_active_and_walks_slots():
@@ -383,6 +397,10 @@ def test_the_intake_check_accepts_the_solution_and_refuses_the_library():
         "import torch\ntorch.jit.trace(f, x)",
         "import torch\ntorch.compile(f)",
         "import torch.fx",
+        "import torch\ntorch.library.Library('aten', 'IMPL')",
+        "from torch.nn import functional as F\nF.torch.library.Library('aten', 'IMPL')",
+        "from minidist.models.checkpointing import attention_core",
+        "from minidist.models import transformer\ntransformer.attention_bias(cfg, 4, None, d, 'cpu')",
     ):
         assert forbidden.check(code, rules) is not None, code
     for code in (  # what a correct submission writes stays allowed
@@ -408,6 +426,8 @@ for name, attribute, args in (
     ("minidist.quant", "quantize_nf4", (torch.ones(8),)),
     ("minidist.quant", "quantize_absmax_int8", (torch.ones(2, 2),)),
     ("minidist.quant", "pack_4bit", (torch.zeros(2, dtype=torch.long),)),
+    ("minidist.models.checkpointing", "attention_core", (*[torch.ones(1, 1, 2, 2)] * 3, None, None)),
+    ("minidist.models.transformer", "attention_bias", (None, 2, None, torch.float32, "cpu")),
 ):
     try:
         getattr(importlib.import_module(name), attribute)(*args)
@@ -422,7 +442,7 @@ try:
     attention(torch.ones(1, 3, 8))
 except PermissionError as error:
     refused.append(guard.MARKER in str(error))
-assert refused == [True] * 4, refused
+assert refused == [True] * 6, refused
 assert F.linear(torch.ones(2, 3), torch.ones(4, 3)).shape == (2, 4)  # plain torch stays
 print("ok")
 """
@@ -488,6 +508,7 @@ def test_the_examples_and_the_stub_get_their_scores(tmp_path):
     assert "scaled_dot_product_attention" in book["fused_attention"]["reason"]
     # the second red team's, closed (``make.LOST``)
     assert "scaled_dot_product_attention" in book["ops_attention"]["reason"]
+    assert "minidist.models.checkpointing" in book["library_core"]["reason"]
     assert "torch.nn.attention" in book["flex_attention"]["reason"]
     assert "torch.overrides" in book["mode_numel"]["reason"]
     assert "vmap" in book["vmap_rows"]["reason"]

@@ -19,12 +19,16 @@ FORBIDDEN_MODULES = (
     "minidist.quant",
     "minidist.models.generate",
     "minidist.serve",
+    # activation checkpointing: no use here, and its attention_core is softmax(Q Kᵀ / √h + bias) V
+    "minidist.models.checkpointing",
 )
 
 #: other qualified names that are refused
 FORBIDDEN_NAMES = (
     "minidist.models.transformer.MultiHeadSelfAttention",
     "minidist.models.transformer.MultiHeadSelfAttention.forward",
+    # the library's causal bias (the attention core: minidist.models.checkpointing, above)
+    "minidist.models.transformer.attention_bias",
     "torch.nn.functional.scaled_dot_product_attention",
     "torch.nn.functional.multi_head_attention_forward",
     "torch.nn.MultiheadAttention",
@@ -73,6 +77,8 @@ REFUSED_IMPORTS = (
     "torch.compiler",
     "torch.fx",
     "torch.export",
+    # a kernel of one's own over aten's (aten::addmm would get the weight)
+    "torch.library",
 )
 
 #: attribute names refused on any object: torch's fused attention and quantization are C
@@ -99,6 +105,9 @@ REFUSED_ATTRIBUTES = (
     "functional_call",
     "code_with_constants",
     "symbolic_trace",
+    "Library",
+    "custom_op",
+    "register_kernel",
 )
 
 #: the run time guard refuses to start a process (a child could copy the library's files)

@@ -43,7 +43,8 @@ _CLONE = torch.Tensor.clone
 _DETACH = torch.Tensor.detach
 _CONTIGUOUS = torch.Tensor.contiguous
 _IS_TENSOR = torch.is_tensor
-_NO_GRAD = torch.no_grad
+_NUMPY = torch.Tensor.numpy
+_FROM_NUMPY = torch.from_numpy
 _PLAIN = (torch.Tensor, nn.Parameter)
 #: what can stand between the student's code and the grader's: a torch function mode (it sees
 #: every call, the projections' weights among the arguments, and can make numel lie), a
@@ -170,7 +171,16 @@ def stored(value, depth: int = 0, seen: dict | None = None) -> dict:
 
 def projection(weight: torch.Tensor, bias: torch.Tensor, seen: list, layer: int, name: str) -> nn.Module:
     """A d -> d projection that logs the tokens of every call in ``seen``; its weight lives in
-    this closure (there is no ``.weight`` to read: the student's code can only call it)."""
+    this closure (there is no ``.weight`` to read: the student's code can only call it).
+
+    The product is computed in numpy, on the input's values: the weight never goes through a
+    torch operator, so nothing that intercepts them (a torch function or dispatch mode, a kernel
+    registered over aten's with ``torch.library``, a traced graph, a compiler's back end) sees
+    it, the output carries no graph (gradients would give the weight back) and no forward-mode
+    tangent, and the rows counted are the rows multiplied. What would make the count lie or the
+    input not the student's own tensor (a subclass, a mode, vmap, a trace) is refused, with the
+    guard's marker: the submission is then ``forbidden``."""
+    w, b = _NUMPY(_DETACH(weight)).T.copy(), _NUMPY(_DETACH(bias)).copy()
 
     class Projection(nn.Module):
         def forward(self, x):
@@ -184,9 +194,9 @@ def projection(weight: torch.Tensor, bias: torch.Tensor, seen: list, layer: int,
                     f"{type(x).__name__} under a torch function or dispatch mode or vmap: "
                     "call the projections on plain tensors"
                 )
-            seen.append([layer, name, int(_NUMEL(x) // x.shape[-1])])
-            with _NO_GRAD():  # no graph back to the weights (a jacobian would read them)
-                return _LINEAR(_DETACH(x), weight, bias)  # detach: no forward-mode tangent either
+            values = _NUMPY(_DETACH(x))  # the values multiplied are the ones counted
+            seen.append([layer, name, int(values.size // values.shape[-1])])
+            return _FROM_NUMPY(values @ w + b)
 
     return Projection()
 

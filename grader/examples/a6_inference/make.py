@@ -36,6 +36,9 @@ The second red team's (each of these scored what it cheats on before it was clos
   (the intake check matched dotted names only): refused at intake by the name on any object
   (``rules.REFUSED_ATTRIBUTES``);
 * ``flex_attention``: ``torch.nn.attention.flex_attention``: refused at intake;
+* ``library_core``: the cache and the mask its own, the rest by the library's attention core
+  (``minidist.models.checkpointing.attention_core``, written for selective recompute): refused
+  at intake and at run time (``rules.FORBIDDEN_MODULES``);
 * ``mode_numel``: ``generate`` recomputes the whole sequence at every step under a
   ``TorchFunctionMode`` that makes ``Tensor.numel`` say one token per sequence, so the grader's
   projections log one token (the mode also sees their weights): refused at intake
@@ -106,6 +109,7 @@ LOST = {
     "fused_attention": ("forbidden", _ALL),
     "ops_attention": ("forbidden", _ALL),
     "flex_attention": ("forbidden", _ALL),
+    "library_core": ("forbidden", _ALL),
     "mode_numel": ("forbidden", _ALL),
     "vmap_rows": ("forbidden", _ALL),
     "subclass_numel": ("forbidden", _ALL),
@@ -233,6 +237,22 @@ FLEX = FUSED.replace(
         return torch.where(j <= past + i, score, -float("inf"))
 
     mixed = flex_attention(q, k, v, score_mod=causal)
+""",
+)
+
+LIBRARY_CORE = (
+    """    scores = q @ k.transpose(-1, -2) / math.sqrt(h)
+    query_at = past + torch.arange(new, device=x_new.device)
+    key_at = torch.arange(past + new, device=x_new.device)
+    scores = scores.masked_fill(key_at[None, :] > query_at[:, None], float("-inf"))
+    mixed = torch.softmax(scores, dim=-1) @ v
+""",
+    """    from minidist.models.checkpointing import attention_core
+
+    query_at = past + torch.arange(new, device=x_new.device)
+    key_at = torch.arange(past + new, device=x_new.device)
+    bias = torch.zeros(new, past + new).masked_fill(key_at[None, :] > query_at[:, None], float("-inf"))
+    mixed = attention_core(q, k, v, bias, nn.Identity())
 """,
 )
 
@@ -391,6 +411,7 @@ def build_dict() -> dict[str, dict[str, bytes]]:
     second = {
         "ops_attention": replace_region(source, begin(4, "attention_step"), OPS_ATTENTION),
         "flex_attention": replace_region(source, begin(4, "attention_step"), FLEX),
+        "library_core": edit(source, *LIBRARY_CORE),
         "mode_numel": replace_region(source, begin(5, "generate"), MODE_NUMEL),
         "vmap_rows": replace_region(source, begin(5, "generate"), VMAP_ROWS),
         "subclass_numel": replace_region(source, begin(5, "generate"), SUBCLASS_NUMEL),
