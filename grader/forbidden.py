@@ -62,6 +62,23 @@ TOOL_MODULES = (
     "zipimport",
     "types",
     "traceback",  # walk_stack / extract_stack reach the grader's frames
+    # what turns a string into an object or runs it: pickle's GLOBAL, pydoc.locate, logging.config's
+    # resolve, mock.patch's target, and the modules that run code given as a string
+    "pickle",
+    "copyreg",
+    "shelve",
+    "dill",
+    "cloudpickle",
+    "pydoc",
+    "logging.config",
+    "unittest",
+    "timeit",
+    "doctest",
+    "pdb",
+    "bdb",
+    "trace",
+    "profile",
+    "cProfile",
     # the grader's own sandbox-side modules: the guard, the communicator wrapper, the workers
     "guard",
     "student_comm",
@@ -101,10 +118,24 @@ FRAME_ATTRIBUTES = (
     "gi_code",
     "cr_code",
     "ag_code",
+    "cell_contents",  # a closure's variables (the grader's instruments keep theirs there)
+)
+#: names refused as an attribute (``os.sys``) or an imported name on any object: another way to
+#: ``sys`` (``os.sys.modules``), attribute lookups by a string (``Formatter().get_field``),
+#: annotations evaluated as code (``typing.get_type_hints``; ``singledispatch`` calls it) and
+#: ``ctypes`` re-exported (``numpy.ctypeslib``)
+HIDDEN_DOORS = (
+    "sys",
+    "get_field",
+    "get_type_hints",
+    "singledispatch",
+    "singledispatchmethod",
+    "ctypeslib",
+    "ctypes",
 )
 #: keywords (and strings naming them) that a submission has no use for: ``os.open(name,
 #: dir_fd=fd)`` names a file relative to a directory descriptor, out of the file guard's sight
-REFUSED_KEYWORDS = ("dir_fd", "src_dir_fd", "dst_dir_fd")
+REFUSED_KEYWORDS = ("dir_fd", "src_dir_fd", "dst_dir_fd", "allow_pickle", "weights_only", "pickle_module")
 ALLOWED_DUNDERS = ("__name__", "__doc__", "__init__")
 #: names used as public despite the underscore: os._exit, and autograd's engine, whose
 #: queue_callback is the only way to run code when backward ends (a3's given helper)
@@ -113,6 +144,9 @@ PUBLIC_PRIVATE = ("os._exit", "torch.autograd.Variable._execution_engine")
 #: included -- ``Helper.method(comm)`` makes ``self`` the wrapper, whatever the parameter is called
 WRAPPER_PRIVATE = ("_comm", "_traffic", "_sent")
 ATTRIBUTE_BUILTINS = ("getattr", "setattr", "delattr")
+#: packages that other modules hold as an attribute (``torch.nn.functional.torch``): a chain through
+#: one is checked from there too
+REROOTED = ("torch", "numpy", "minidist", "os", "sys")
 _ALREADY = "already does what this assignment asks you to write"
 
 
@@ -168,6 +202,7 @@ class _Checker:
         self.refusals: list[Refusal] = []
         self.own: set[int] = set()  # ids of the ``self``/``cls`` names that are the submission's own
         self.super_is_builtin = True  # False when the file binds the name ``super`` itself
+        self.called: set[int] = set()  # ids of the names called directly (``getattr(x, "a")``)
 
     def refuse(self, node: ast.AST, what: str, why: str) -> None:
         self.refusals.append(Refusal(getattr(node, "lineno", 0), what, why))
@@ -209,6 +244,10 @@ class _Checker:
                     )
                 continue
             dotted = f"{module}.{alias.name}"
+            if alias.name in HIDDEN_DOORS:
+                self.refuse(
+                    node, f"from {module} import {alias.name}", "it reaches code or modules another way"
+                )
             self._check_import(node, dotted)
             self.aliases[alias.asname or alias.name] = dotted
 
@@ -232,6 +271,14 @@ class _Checker:
         dotted = self._dotted(node)
         if dotted is None:
             return
+        for top in REROOTED:  # F.torch.jit -> torch.jit too: a package reached through another module
+            if f".{top}." in f".{dotted}"[1:]:
+                rerooted = top + "." + dotted.rsplit(f".{top}.", 1)[1]
+                if rerooted != dotted:
+                    self._check_dotted(node, rerooted)
+        self._check_dotted(node, dotted)
+
+    def _check_dotted(self, node: ast.AST, dotted: str) -> None:
         if hit := self.rules.forbidden(dotted):
             self.refuse(node, ast.unparse(node), f"{hit} {_ALREADY}")
         elif hit := _within(dotted, self.rules.refused_imports):
@@ -249,6 +296,10 @@ class _Checker:
             self.refuse(node, ast.unparse(node), "it reaches a running frame and the grader's variables")
         elif attr in self.rules.attributes:
             self.refuse(node, ast.unparse(node), f"{attr} {_ALREADY}")
+        elif attr in HIDDEN_DOORS:
+            self.refuse(
+                node, ast.unparse(node), f"{attr} reaches code or modules by a string or another path"
+            )
         elif (
             attr.startswith("_")
             and id(node.value) not in self.own
@@ -317,6 +368,10 @@ class _Checker:
             self._check_reference(node)
 
     def name(self, node: ast.Name) -> None:
+        if node.id in ATTRIBUTE_BUILTINS and id(node) not in self.called and node.id not in self.aliases:
+            self.refuse(
+                node, node.id, "getattr passed or renamed: an attribute whose name is computed at run time"
+            )
         if node.id in (*TOOL_BUILTINS, "__builtins__", "__loader__", "__spec__"):
             if node.id in self.aliases:  # a name the file imported: not the builtin
                 return
@@ -425,6 +480,7 @@ def check(source: str | bytes, rules: Rules, filename: str = "<submission>") -> 
     checker = _Checker(rules)
     checker.own = _own_receivers(tree)
     checker.super_is_builtin = not _binds_name(tree, "super")
+    checker.called = {id(node.func) for node in ast.walk(tree) if isinstance(node, ast.Call)}
     # imports first, wherever they are, so that every use of an imported name is resolved
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

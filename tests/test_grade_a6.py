@@ -11,7 +11,8 @@ the wrong way round, recomputing instead of caching, the library's NF4; and the 
 cheats: fp32 weights kept in the object, in a larger storage behind the packed view, float
 "codes", frame walking, torch's fused attention; and the second red team's: fused attention as
 ``torch.ops.aten`` or flex_attention, numel that lies under a mode, vmap or a tensor subclass, the
-weights read back through autograd or a trace) and the released stub get exactly their expected
+weights read back through autograd or a trace, the token log rewritten through the projection's
+closure) and the released stub get exactly their expected
 scores on a six-test subset of the hidden tests that tells them apart (one batch, ``--jobs 2``,
 a fixed seed key; about 2 minutes on 2 busy cores).
 """
@@ -399,6 +400,22 @@ def test_the_intake_check_accepts_the_solution_and_refuses_the_library():
         "import torch.fx",
         "import torch\ntorch.library.Library('aten', 'IMPL')",
         "from torch.nn import functional as F\nF.torch.library.Library('aten', 'IMPL')",
+        "from torch.nn import functional as F\nF.torch.jit.trace(f, x)",
+        # doors to the grader's closures and modules by a string or another path
+        "look = getattr\nlook(f, '__clo' + 'sure__')",
+        "import functools\nfunctools.reduce(getattr, ['x'], f)",
+        "cell.cell_contents",
+        "import os\nos.sys.modules['gc']",
+        "import string\nstring.Formatter().get_field('0.x', [f], {})",
+        "import pickle\npickle.loads(b'cgc\\nget_objects\\n)R.')",
+        "import pydoc\npydoc.locate('gc.get_objects')",
+        "import logging.config",
+        "from unittest import mock",
+        "import typing\ntyping.get_type_hints(f)",
+        "from functools import singledispatch",
+        "import numpy as np\nnp.ctypeslib.ctypes",
+        "import numpy as np\nnp.load(f, allow_pickle=True)",
+        "import torch\ntorch.load(f, weights_only=False)",
         "from minidist.models.checkpointing import attention_core",
         "from minidist.models import transformer\ntransformer.attention_bias(cfg, 4, None, d, 'cpu')",
     ):
@@ -406,6 +423,8 @@ def test_the_intake_check_accepts_the_solution_and_refuses_the_library():
     for code in (  # what a correct submission writes stays allowed
         "import torch\ntorch.softmax(x, dim=-1)",
         "from __future__ import annotations",
+        "from torch.nn import functional as F\nF.torch.softmax(x, -1)",
+        "x = getattr(q, 'packed', None)",
         "import torch\nwith torch.no_grad():\n    y = x @ w",
     ):
         assert forbidden.check(code, rules) is None, code
@@ -512,7 +531,8 @@ def test_the_examples_and_the_stub_get_their_scores(tmp_path):
     assert "torch.nn.attention" in book["flex_attention"]["reason"]
     assert "torch.overrides" in book["mode_numel"]["reason"]
     assert "vmap" in book["vmap_rows"]["reason"]
-    for cheat, why in (("subclass_numel", "OneRow"), ("traced_weights", "compiled or traced")):
-        assert why in book[cheat]["reason"] and "run time" in book[cheat]["reason"], book[cheat]
+    assert "OneRow" in book["subclass_numel"]["reason"] and "run time" in book["subclass_numel"]["reason"]
+    assert "torch.jit" in book["traced_weights"]["reason"]
+    assert "getattr" in book["closure_log"]["reason"]
     assert "does not require grad" in (out / "autograd_weights" / "feedback.md").read_text()
     assert float(book["alice"]["similarity"]) < similarity.FLAG_AT

@@ -79,6 +79,12 @@ REFUSED_IMPORTS = (
     "torch.export",
     # a kernel of one's own over aten's (aten::addmm would get the weight)
     "torch.library",
+    # unpickling (code named by a string), and downloads
+    "torch.load",
+    "torch.serialization",
+    "torch.hub",
+    "numpy.load",
+    "numpy.lib",
 )
 
 #: attribute names refused on any object: torch's fused attention and quantization are C

@@ -53,8 +53,16 @@ The second red team's (each of these scored what it cheats on before it was clos
   recomputed with it: the projections now run under ``no_grad`` on a detached input, so there is
   no graph (the cached generation fails, status ``ok``);
 * ``traced_weights``: ``torch.jit.trace`` of a projection (reached as ``F.torch.jit``, past the
-  intake check's names) keeps the weight among the graph's constants: the projections refuse
-  being traced or compiled at run time: status ``forbidden``.
+  intake check's names then) keeps the weight among the graph's constants: refused at intake (a
+  chain through a module's ``torch`` attribute is checked from ``torch`` on) and at run time
+  (the projections refuse being traced or compiled; they multiply in numpy, so no torch
+  operator ever gets the weight);
+* ``closure_log``: ``generate`` recomputes the whole sequence, then rewrites the grader's token
+  log, reached through the projection's closure with ``getattr`` under another name (``look =
+  getattr; look(forward, "__clo" + "sure__")``) and ``cell.cell_contents``: refused at intake
+  (``getattr`` only as a direct call with a literal name; ``cell_contents`` on any object).
+  Nothing in the student's process can stop code in that process (``grader/README.md``): the
+  intake check refuses the doors it knows of.
 
 ``LOST`` lists the hidden tests each one fails; ``EXPECTED`` holds the status and score each
 must get on all the hidden tests (``expected_score`` for a subset). The submissions are generated
@@ -115,6 +123,7 @@ LOST = {
     "subclass_numel": ("forbidden", _ALL),
     "autograd_weights": ("ok", _named("test_generate_with_cache[", "test_generate_uses_the_cache")),
     "traced_weights": ("forbidden", _ALL),
+    "closure_log": ("forbidden", _ALL),
 }
 
 
@@ -381,6 +390,27 @@ TRACED_WEIGHTS = (
 )
 
 
+#: no cache; then the log of tokens the projections saw, rewritten to what a cache would show
+CLOSURE_LOG = """    ids = input_ids
+    for _ in range(max_new_tokens):
+        logits, _ = decoder_step(model, ids)  # the whole sequence every step
+        ids = torch.cat([ids, logits[:, -1].argmax(dim=-1, keepdim=True)], dim=1)
+    look = getattr
+    for block in model.blocks:
+        for cell in look(type(block.q).forward, "__clo" + "sure__") or ():
+            log = cell.cell_contents
+            if isinstance(log, list) and use_cache:
+                b, t = input_ids.shape
+                log[:] = [
+                    [layer, name, b * t if step == 0 else b]
+                    for step in range(max_new_tokens)
+                    for layer in range(len(model.blocks))
+                    for name in "qkvo"
+                ]
+    return ids
+"""
+
+
 def build_dict() -> dict[str, dict[str, bytes]]:
     source = (FOLDER / "inference.py").read_text()
     bob = source
@@ -417,6 +447,7 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         "subclass_numel": replace_region(source, begin(5, "generate"), SUBCLASS_NUMEL),
         "autograd_weights": replace_region(source, begin(5, "generate"), AUTOGRAD_WEIGHTS),
         "traced_weights": replace_region(source, begin(5, "generate"), TRACED_WEIGHTS),
+        "closure_log": replace_region(source, begin(5, "generate"), CLOSURE_LOG),
     }
     students = {
         "alice": source,
