@@ -121,7 +121,8 @@ FRAME_ATTRIBUTES = (
     "cell_contents",  # a closure's variables (the grader's instruments keep theirs there)
 )
 #: names refused as an attribute (``os.sys``) or an imported name on any object: another way to
-#: ``sys`` (``os.sys.modules``), attribute lookups by a string (``Formatter().get_field``),
+#: ``sys`` (``os.sys.modules``), attribute lookups by a string (``Formatter().get_field``,
+#: ``functools.update_wrapper``),
 #: annotations evaluated as code (``typing.get_type_hints``; ``singledispatch`` calls it) and
 #: ``ctypes`` re-exported (``numpy.ctypeslib``)
 HIDDEN_DOORS = (
@@ -132,6 +133,8 @@ HIDDEN_DOORS = (
     "singledispatchmethod",
     "ctypeslib",
     "ctypes",
+    "update_wrapper",  # setattr(wrapper, name, getattr(wrapped, name)) for names given as strings
+    "wraps",
 )
 #: keywords (and strings naming them) that a submission has no use for: ``os.open(name,
 #: dir_fd=fd)`` names a file relative to a directory descriptor, out of the file guard's sight

@@ -413,6 +413,7 @@ def test_the_intake_check_accepts_the_solution_and_refuses_the_library():
         "from unittest import mock",
         "import typing\ntyping.get_type_hints(f)",
         "from functools import singledispatch",
+        "import functools\nfunctools.update_wrapper(grab, f, assigned=('__clo' + 'sure__',))",
         "import numpy as np\nnp.ctypeslib.ctypes",
         "import numpy as np\nnp.load(f, allow_pickle=True)",
         "import torch\ntorch.load(f, weights_only=False)",
