@@ -14,7 +14,7 @@ cheats: fp32 weights kept in the object, in a larger storage behind the packed v
 weights read back through autograd or a trace, the token log rewritten through the projection's
 closure) and the released stub get exactly their expected
 scores on a six-test subset of the hidden tests that tells them apart (one batch, ``--jobs 2``,
-a fixed seed key; about 2 minutes on 2 busy cores).
+a fixed seed key; about a minute on 2 busy cores).
 """
 
 from __future__ import annotations

@@ -16,7 +16,11 @@ What a job reports besides the values, measured by the grader's code:
   and o are the grader's. Each logs how many tokens (rows) every call received; their weights
   live in a closure, not on the module, so a projection can only be called, not bypassed by
   reading its weight. With a cache, each generation step after the first must send one token
-  per sequence through each projection.
+  per sequence through each projection. The product is taken in numpy, so no torch operator,
+  mode, kernel or trace sees the weight, and the output has no graph to differentiate back to
+  it; an input that could make the count lie (a tensor subclass, a torch function or dispatch
+  mode, vmap, a trace or compilation) is refused with the guard's marker (status
+  ``forbidden``), and so is a mode still active when the student's function returns.
 """
 
 from __future__ import annotations
