@@ -50,7 +50,7 @@ The second red team's (each of these scored what it cheats on before it was clos
   plain tensor at run time: status ``forbidden``;
 * ``autograd_weights``: one call per projection on the newest token with a graph, then
   ``torch.autograd.grad`` row by row gives the projection's weight back; the whole sequence is
-  recomputed with it: the projections now run under ``no_grad`` on a detached input, so there is
+  recomputed with it: the projections now multiply in numpy, so their output has
   no graph (the cached generation fails, status ``ok``);
 * ``traced_weights``: ``torch.jit.trace`` of a projection (reached as ``F.torch.jit``, past the
   intake check's names then) keeps the weight among the graph's constants: refused at intake (a
