@@ -3,7 +3,7 @@
 Lecture 9 serves, quantizes and fine-tunes "a 176B model". Nobody can hold one here, so the
 techniques run on a decoder with BLOOM's layout (pre-LN, ALiBi instead of a position table, a
 LayerNorm on the embeddings, the output matrix tied to the word table) that is small enough to
-train on two CPU cores in about two minutes, yet predicts text well enough that a broken
+train on one CPU thread in about three minutes, yet predicts text well enough that a broken
 quantizer or a wrong KV cache shows up as a worse perplexity:
 
     load("course")  ──► cache hit?  $MINIDIST_CACHE/decoder-course-v1/model.safetensors.index.json

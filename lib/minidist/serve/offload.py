@@ -778,7 +778,7 @@ def demo(
     The checkpoint goes under ``directory`` (a new temporary directory by default) and is deleted
     afterwards unless ``keep=True``. Returns :func:`measure_streaming`'s dict plus ``directory``
     (None once deleted), ``write_s`` and ``times_budget`` (disk bytes / budget).
-    Costs one to two minutes on two busy cores: writing 1 GB (~30 s), then three child processes.
+    Costs 40-80 s on two busy cores (measured): writing 1 GB (~30 s), then three child processes.
     """
     cfg = cfg or demo_config()
     parent = Path(tempfile.mkdtemp(prefix="minidist-streamed-")) if directory is None else Path(directory)
