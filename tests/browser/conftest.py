@@ -136,7 +136,8 @@ class Lab:
 def _copy_course(root: Path) -> None:
     ignore = shutil.ignore_patterns(".ipynb_checkpoints", "__pycache__")
     shutil.copytree(ROOT / "notebooks", root / "notebooks", ignore=ignore)
-    shutil.copytree(ROOT / "assignments" / "a1_collectives", root / "assignments" / "a1_collectives", ignore=ignore)
+    a1 = Path("assignments") / "a1_collectives"
+    shutil.copytree(ROOT / a1, root / a1, ignore=ignore)
     # the same assignment with the reference solution copied in (what a student hands in)
     solved = root / "solved" / "a1_collectives"
     shutil.copytree(ROOT / "assignments" / "a1_collectives", solved, ignore=ignore)
