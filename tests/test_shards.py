@@ -8,7 +8,9 @@ bit), the parameter-count formula (the tied head stored once), the bytes of each
 from __future__ import annotations
 
 import json
+import os
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -222,3 +224,81 @@ def test_a_failed_write_leaves_no_checkpoint(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # neither the target nor a half-written temporary
     with pytest.raises(ValueError, match="no checkpoint index"):
         shards.load_decoder(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize(
+    "bad_file",
+    [
+        "../other/model-00001-of-00005.safetensors",  # a real shard name, one directory up
+        "/etc/passwd",
+        "sub/model-00001-of-00005.safetensors",
+        "model-1-of-5.safetensors",
+        5,
+    ],
+)
+def test_weight_map_cannot_point_outside_the_directory(tmp_path, bad_file):
+    # a second checkpoint next door: a traversing index would load its tensors without complaint
+    shards.save_sharded(_model(seed=1), tmp_path / "other")
+    shards.save_sharded(_model(seed=0), tmp_path / "ckpt")
+    path = tmp_path / "ckpt" / shards.INDEX_NAME
+    raw = json.loads(path.read_text())
+    name = next(iter(raw["weight_map"]))
+    raw["weight_map"][name] = bad_file
+    path.write_text(json.dumps(raw))
+    for read in (shards.read_index, shards.load_decoder, lambda d: shards.load_tensors(d, names=[name])):
+        with pytest.raises(ValueError, match=f"{shards.INDEX_NAME}.*{re.escape(repr(name))}"):
+            read(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("weight_map", [["model-00001-of-00005.safetensors"], "x", 5, None])
+def test_weight_map_must_be_an_object(tmp_path, weight_map):
+    shards.save_sharded(_model(), tmp_path)
+    path = tmp_path / shards.INDEX_NAME
+    raw = json.loads(path.read_text())
+    raw["weight_map"] = weight_map
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=f"{shards.INDEX_NAME}.*weight_map must be an object"):
+        shards.read_index(tmp_path)
+
+
+def test_a_writer_that_finished_first_is_not_overwritten(tmp_path, monkeypatch):
+    """Two writers both see an empty target; the one that renames second must fail, not replace."""
+    first, second = _model(seed=0), _model(seed=1)
+    real_save = shards.save_file
+    state = {"raced": False}
+
+    def other_writer_finishes_meanwhile(tensors, path, metadata=None):
+        if not state["raced"]:
+            state["raced"] = True
+            monkeypatch.setattr(shards, "save_file", real_save)
+            shards.save_sharded(second, tmp_path / "ckpt")  # passed its own check, finishes first
+            monkeypatch.setattr(shards, "save_file", other_writer_finishes_meanwhile)
+        real_save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(shards, "save_file", other_writer_finishes_meanwhile)
+    with pytest.raises(ValueError, match="filled by another writer.*overwrite=True"):
+        shards.save_sharded(first, tmp_path / "ckpt")
+    assert torch.equal(shards.load_decoder(tmp_path / "ckpt").word_embeddings, second.word_embeddings)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # the loser's temporary is gone
+
+
+def test_shards_and_index_reach_the_disk_before_the_rename(tmp_path, monkeypatch):
+    events = []
+    real_fsync, real_rename = shards.os.fsync, shards.os.rename
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rename(src, dst):
+        events.append(("rename", str(dst)))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(shards.os, "fsync", fsync)
+    monkeypatch.setattr(shards.os, "rename", rename)
+    shards.save_sharded(_model(n_layers=2), tmp_path / "ckpt")
+    assert events[-1] == ("rename", str(tmp_path / "ckpt"))
+    synced = {Path(p).name for kind, p in events[:-1] if kind == "fsync"}
+    files = {p.name for p in (tmp_path / "ckpt").iterdir()}
+    assert files == {shards.shard_name(k, 4) for k in range(1, 5)} | {shards.INDEX_NAME}
+    assert files <= synced

@@ -35,9 +35,11 @@ never a directory with an index that points at missing or truncated shards.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
+import re
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -78,6 +80,12 @@ def block_prefix(i: int) -> str:
 def shard_name(k: int, n: int) -> str:
     """File name of shard ``k`` (1-based) of ``n``: ``model-00001-of-00005.safetensors``."""
     return f"model-{k:05d}-of-{n:05d}.safetensors"
+
+
+# What an index may name as a shard: a bare file name in the checkpoint directory. An index is
+# data that may come from elsewhere (a download, a colleague's disk); "../other/model-...",
+# "/etc/passwd" or a name with a directory part would make the reader open files outside it.
+SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 @dataclass(frozen=True)
@@ -156,27 +164,61 @@ def save_sharded(
                 total += tensors[name].numel() * tensors[name].element_size()
                 weight_map[name] = shard_name(k, n)
             save_file(tensors, str(tmp / shard_name(k, n)), metadata={"format": "pt"})
+            _fsync(tmp / shard_name(k, n))
         index = {
             "metadata": {"total_size": total, "config": dataclasses.asdict(model.cfg), "format": FORMAT},
             "weight_map": weight_map,
         }
-        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-        _move_into_place(tmp, directory)
+        with open(tmp / INDEX_NAME, "w") as f:
+            f.write(json.dumps(index, indent=2) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync(tmp)  # the directory's entries (the file names) are on disk too
+        _move_into_place(tmp, directory, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return directory / INDEX_NAME
 
 
-def _move_into_place(tmp: Path, directory: Path) -> None:
-    """Rename the finished ``tmp`` to ``directory`` (a rename replaces an empty directory in one step)."""
-    if directory.exists() and any(directory.iterdir()):
+def _fsync(path: Path) -> None:
+    """Ask the OS to put ``path`` (a file, or a directory's list of names) on disk before going on.
+
+    Without it a rename can reach the disk before the data it publishes: after a power cut the
+    directory would hold an index pointing at shards of zero bytes.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _move_into_place(tmp: Path, directory: Path, overwrite: bool) -> None:
+    """Rename the finished ``tmp`` to ``directory``.
+
+    The emptiness check in ``save_sharded`` ran before the shards were written; another writer
+    may have finished in the meantime. So the check is made again here, by the rename itself:
+    renaming a directory onto a non-empty one fails (ENOTEMPTY) in one step, with no gap for a
+    second writer to slip into. With ``overwrite=True`` the old checkpoint is moved aside first.
+    """
+    if overwrite and directory.exists() and any(directory.iterdir()):
+        if not (directory / INDEX_NAME).exists():
+            raise ValueError(f"{directory} is not empty and holds no {INDEX_NAME}: refusing to replace it")
         old = directory.parent / f".{directory.name}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         os.rename(directory, old)  # readers now see no checkpoint (never a mixed one) until the next line
         os.rename(tmp, directory)
         shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, directory)
+        return
+    try:
+        os.rename(tmp, directory)  # replaces an empty directory, refuses a non-empty one
+    except OSError as e:
+        if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+        raise ValueError(
+            f"{directory} was filled by another writer while this checkpoint was being written: "
+            "nothing was replaced; save to a new directory, or pass overwrite=True to replace it"
+        ) from e
 
 
 def read_index(directory: str | os.PathLike) -> Index:
@@ -202,8 +244,27 @@ def read_index(directory: str | os.PathLike) -> Index:
         cfg = TransformerConfig(**config)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{path}: config is not a valid TransformerConfig: {e}") from e
+    _check_weight_map(weight_map, Path(directory), path)
     files = sorted(set(weight_map.values()))
     return Index(cfg, dict(weight_map), files, total)
+
+
+def _check_weight_map(weight_map: object, directory: Path, path: Path) -> None:
+    """A weight map is {tensor name: shard file}, every file a bare shard name inside ``directory``."""
+    if not isinstance(weight_map, dict):
+        raise ValueError(
+            f"{path}: weight_map must be an object {{tensor name: shard file}}, "
+            f"got {type(weight_map).__name__}"
+        )
+    for name, file in weight_map.items():
+        if not isinstance(name, str) or not isinstance(file, str):
+            raise ValueError(f"{path}: weight_map entry {name!r}: {file!r} is not a pair of strings")
+        inside = (directory / file).resolve().parent == directory.resolve()
+        if not SHARD_FILE.fullmatch(file) or not inside:
+            raise ValueError(
+                f"{path}: weight_map places {name!r} in {file!r}, which is not a shard file of this "
+                "directory (a bare name like model-00001-of-00003.safetensors): refusing to read it"
+            )
 
 
 def load_tensors(
