@@ -8,13 +8,14 @@ PYTEST := $(PY) -m pytest -p no:cacheprovider
 LAB_DIR ?= notebooks
 NBVAL  := --nbval --nbval-current-env --nbval-cell-timeout=300
 
-.PHONY: help setup lab test test-lib notebooks lint format bench clean release release-check grade
+.PHONY: help setup lab test test-browser test-lib notebooks lint format bench clean release release-check grade
 
 help:
 	@echo "make lab        set up .venv, register the kernel, open JupyterLab on notebooks/"
 	@echo "                (LAB_DIR=assignments: on the assignments instead)"
 	@echo "make test       set up .venv, run lint, every test and every notebook (what CI runs)"
 	@echo "make test-lib   only the library tests (faster while developing)"
+	@echo "make test-browser  JupyterLab in headless Chromium, as a student uses it (installs chromium as root)"
 	@echo "make notebooks  only the notebooks, checked against their stored outputs (nbval)"
 	@echo "make bench      the benchmarks (p2p, launch, collectives, glove, ddp, model_parallel); results in bench-results/"
 	@echo "make format     ruff format + autofix"
@@ -28,8 +29,12 @@ $(STAMP): pyproject.toml scripts/setup_venv.py
 
 setup: $(STAMP)
 
+# The course kernel: .venv's own python3 kernel, shown as "Python (minidist)" (the notebooks ask
+# for python3; inside .venv that name means this kernel). jupyter/ holds the lab settings the
+# course ships (no news pop-up, helper packages hidden), added to your own Jupyter configuration.
 lab: $(STAMP)
-	$(PY) -m ipykernel install --user --name minidist --display-name "Python (minidist)" > /dev/null
+	$(PY) -m ipykernel install --sys-prefix --name python3 --display-name "Python (minidist)" > /dev/null
+	JUPYTER_CONFIG_PATH="$(CURDIR)/jupyter$${JUPYTER_CONFIG_PATH:+:$$JUPYTER_CONFIG_PATH}" \
 	$(VENV)/bin/jupyter lab --notebook-dir=$(LAB_DIR) $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 lint: $(STAMP)
@@ -39,8 +44,17 @@ lint: $(STAMP)
 test: lint release-check
 	$(PYTEST) tests notebooks solutions $(NBVAL) $(PYTEST_ARGS)
 
+# JupyterLab in headless Chromium, as a student uses it (tests/browser). Chromium comes from
+# the system's packages (apt-get when run as root; else install it yourself), never downloaded.
+test-browser: $(STAMP)
+	@if ! command -v chromium > /dev/null; then \
+		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium; \
+		else echo "install Chromium first (Debian/Ubuntu: sudo apt-get install chromium)"; exit 1; fi; \
+	fi
+	$(PYTEST) -m browser tests/browser $(PYTEST_ARGS)
+
 test-lib: $(STAMP)
-	$(PYTEST) tests $(PYTEST_ARGS)
+	$(PYTEST) tests --ignore=tests/browser $(PYTEST_ARGS)
 
 notebooks: $(STAMP)
 	$(PYTEST) notebooks solutions $(NBVAL) $(PYTEST_ARGS)
@@ -75,4 +89,4 @@ bench: $(STAMP)
 	$(PY) -m minidist.bench model_parallel
 
 clean:
-	rm -rf $(VENV) bench-results grader-results .pytest_cache .ruff_cache
+	rm -rf $(VENV) bench-results grader-results browser-artifacts .pytest_cache .ruff_cache
