@@ -178,10 +178,11 @@ def mixed_int8_matmul(
     x2 = x.reshape(-1, x.shape[-1])
     outliers = torch.zeros(x2.shape[1], dtype=torch.bool, device=x.device)
     outliers[outlier_columns(x2, threshold)] = True
-    regular = int8_matmul(x2[:, ~outliers], w[~outliers, :]).float()
     dtype = outlier_dtype or x.dtype
-    high = (x2[:, outliers].to(dtype) @ w[outliers, :].to(dtype)).float()
-    return (regular + high).reshape(*lead, w.shape[1]).to(x.dtype)
+    y = (x2[:, outliers].to(dtype) @ w[outliers, :].to(dtype)).float()
+    if not outliers.all():  # every feature an outlier (tiny k, low threshold): no int8 part left
+        y = y + int8_matmul(x2[:, ~outliers], w[~outliers, :]).float()
+    return y.reshape(*lead, w.shape[1]).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -403,8 +404,9 @@ def _int8_linear_forward(
         regular[outlier_columns(x2, threshold)] = False
         w_outliers = dequantize_absmax_int8(codes[:, ~regular], scale)
         y += (x2[:, ~regular] @ w_outliers.to(x2.dtype).T).float()
-    xq, sx = quantize_absmax_int8(x2[:, regular], dim=-1)
-    y += _int_matmul_rescaled(xq, sx, codes[:, regular].T, scale.T)
+    if regular.any():  # every feature an outlier (tiny k, low threshold): no int8 part left
+        xq, sx = quantize_absmax_int8(x2[:, regular], dim=-1)
+        y += _int_matmul_rescaled(xq, sx, codes[:, regular].T, scale.T)
     return y.to(x2.dtype)
 
 
