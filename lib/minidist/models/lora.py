@@ -271,6 +271,14 @@ def load_adapters(model: nn.Module, adapters: dict) -> None:
         if not math.isclose(m.scale, float(adapters["scale"])):
             raise ValueError(f"adapters have scale {adapters['scale']}, the model's LoRA {m.scale}")
         A, B = adapters[block][target]
+        for label, given, own in (("A", A, m.A), ("B", B, m.B)):
+            # copy_ would broadcast a rank-1 adapter into a rank-8 module without a word
+            if tuple(given.shape) != tuple(own.shape):
+                raise ValueError(
+                    f"adapter {label} of block {block} {target!r} has shape {tuple(given.shape)}, the "
+                    f"model's LoRA {tuple(own.shape)}: call apply_lora with the rank the adapters were "
+                    "trained with"
+                )
         with torch.no_grad():
             m.A.copy_(A)
             m.B.copy_(B)
