@@ -153,3 +153,8 @@ def test_finetune_through_swarm_refuses_bad_arguments():
         finetune.finetune_through_swarm(client, batches, 1, adapters=frozen)
     with pytest.raises(ValueError, match="unknown targets"):
         finetune.init_adapters(CFG, targets=("q_proj",))
+    # the MLP's layers are LoRA targets locally, but swarm servers adapt only attention projections
+    with pytest.raises(
+        ValueError, match=r"targets \['up'\]: swarm servers .*'query', 'key', 'value', 'output'"
+    ):
+        finetune.init_adapters(CFG, targets=("query", "up"))

@@ -7,12 +7,14 @@ hooks written out here from the formula s·(x Aᵀ)Bᵀ (hidden states and gradi
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -107,8 +109,43 @@ def test_wire_refuses_globals_and_oversized_messages():
         with pytest.raises(ValueError, match="over the limit of 1,000 bytes"):
             _wire.send_message(a, torch.zeros(1000), max_bytes=1000)
         _wire.send_message(a, torch.zeros(1000))
-        with pytest.raises(ValueError, match="announced a message of"):
+        with pytest.raises(_wire.OversizedMessage, match="announced a message of") as info:
             _wire.recv_message(b, max_bytes=1000)
+        assert info.value.limit == 1000 and info.value.size > 1000
+
+
+def payload_with_record(record: object) -> bytes:
+    """A message payload whose one tensor is the raw persistent record ``record`` (as a peer could send)."""
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            return record if isinstance(obj, str) and obj == "TENSOR" else None
+
+    buffer = io.BytesIO()
+    Pickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump({"op": "step", "hidden": "TENSOR"})
+    return buffer.getvalue()
+
+
+BAD_RECORDS = [  # (record, what the error must say)
+    (("tensor", "float32", (2, 3), bytes(5)), "needs 24 bytes, carries 5"),  # length != numel * 4
+    (("tensor", "float32", (1 << 40,), b""), "needs 4,398,046,511,104 bytes, carries 0"),  # huge, no data
+    (("tensor", "float32", (3,), b""), "needs 12 bytes, carries 0"),  # was torch.empty: leaked memory
+    (("tensor", "float32", (-1,), b""), "non-negative"),
+    (("tensor", "float32", [2], bytes(8)), "not a tuple"),
+    (("tensor", "Tensor", (1,), bytes(4)), "dtype 'Tensor'"),  # an attribute of torch, not a dtype
+    (("tensor", "float32", (2,)), "must be"),
+]
+
+
+def test_wire_refuses_malformed_tensor_records_with_a_value_error():
+    for record, message in BAD_RECORDS:
+        with pytest.raises(_wire.MalformedMessage, match=message):
+            _wire.decode(payload_with_record(record))
+    with pytest.raises(ValueError, match="not a message"):
+        _wire.decode(b"\x80\x05garbage")
+    assert issubclass(_wire.MalformedMessage, ValueError) and issubclass(_wire.OversizedMessage, ValueError)
+    good = payload_with_record(("tensor", "int16", (2, 0, 3), b""))
+    assert _wire.decode(good)["hidden"].shape == (2, 0, 3)
 
 
 def test_route_takes_fewest_hops_and_names_missing_blocks():
@@ -190,6 +227,45 @@ def test_failover_replays_the_session_and_continues_identically(alibi_checkpoint
         assert not sw.alive(1) and not sw.alive(2) and sw.alive(3)
 
 
+def test_failover_of_the_first_hop_and_during_the_replay_is_bit_identical(checkpoint, monkeypatch):
+    """A replayed cache equals the lost one bit for bit: every output after a failover is torch.equal
+    to the undisturbed session's. The first hop fails (blocks 0..1); later the second hop fails and
+    its first replacement dies during the replay itself, so the replay starts again on another."""
+    directory, _ = checkpoint
+    gen = torch.Generator().manual_seed(12)
+    steps = [torch.randn(2, 5, 32, generator=gen)] + [torch.randn(2, 1, 32, generator=gen) for _ in range(6)]
+    with swarm.Swarm(directory, [(0, 2), (2, 4), (0, 2), (2, 4), (2, 4)], timeout=30) as sw:
+        client = swarm.Client(sw)
+        with client.inference_session() as session:  # undisturbed, on servers 0 and 1
+            expected = [session.step(h) for h in steps]
+        assert not client.failovers
+
+        real_request, steps_on_3 = sw.request, []
+
+        def request(i, op, **fields):  # server 3 dies at its third step request: during a replay
+            if i == 3 and op == "step":
+                steps_on_3.append(fields["past_len"])
+                if len(steps_on_3) == 3:
+                    sw.kill(3)
+            return real_request(i, op, **fields)
+
+        monkeypatch.setattr(sw, "request", request)
+        kills = {3: 0, 5: 1}  # before step 3 the first hop's server, before step 5 the second's
+        with client.inference_session() as session:
+            for t, h in enumerate(steps):
+                if t in kills:
+                    sw.kill(kills[t])
+                out = session.step(h)
+                assert torch.equal(out, expected[t]), t
+            assert [(hop.server, hop.start, hop.end) for hop in session.hops] == [(2, 0, 2), (4, 2, 4)]
+        assert [(f["server"], f["blocks"], f["during"]) for f in client.failovers] == [
+            (0, (0, 2), "generate"),
+            (1, (2, 4), "generate"),
+            (3, (2, 4), "replay"),
+        ]
+        assert steps_on_3 == [0, 5, 6]  # the replay sends the prompt, then one position per request
+
+
 def test_killed_server_without_alternative_raises_naming_the_blocks(checkpoint):
     directory, _ = checkpoint
     with swarm.Swarm(directory, [(0, 2), (2, 4)], timeout=30) as sw:
@@ -203,13 +279,55 @@ def test_killed_server_without_alternative_raises_naming_the_blocks(checkpoint):
 
 def test_stuck_server_times_out_and_is_killed(checkpoint):
     directory, _ = checkpoint
-    with swarm.Swarm(directory, [(0, 4)], timeout=1.0) as sw:
+    with swarm.Swarm(directory, [(0, 4)], timeout=30) as sw:  # loading gets the generous default
         pid = sw.pids()[0]
         with pytest.raises(swarm.ServerFailed, match=r"no answer to 'sleep' within 1.0 s"):
-            sw.request(0, "sleep", seconds=120)
+            sw.request(0, "sleep", timeout=1.0, seconds=120)
         assert gone([pid]) and not sw.alive(0)
         with pytest.raises(swarm.RouteError, match=r"block\(s\) 0\.\.3"):
             swarm.Client(sw).generate(prompt_ids(), 2)
+
+
+def test_a_server_survives_oversized_and_malformed_messages_and_limits_sessions(checkpoint):
+    directory, _ = checkpoint
+    limit = 20_000
+    with swarm.Swarm(directory, [(0, 4)], timeout=30, max_message_bytes=limit, max_sessions=2) as sw:
+        pid = sw.pids()[0]
+
+        def raw(payload: bytes) -> dict:  # a peer that ignores the limit or sends broken bytes
+            sock = sw._socks[0]
+            sock.settimeout(30)
+            sock.sendall(len(payload).to_bytes(8, "big") + payload)
+            reply, _ = _wire.recv_message(sock, deadline=time.monotonic() + 30)
+            return reply
+
+        # the server knows the swarm's limit: a reply over it becomes an error, the server stays
+        with pytest.raises(swarm.RemoteError, match="over the limit of 20,000 bytes"):
+            sw.request(0, "weights")
+        # a request over it is refused by the client before sending
+        with pytest.raises(ValueError, match="over the limit of 20,000 bytes"):
+            sw.request(0, "forward", hidden=torch.zeros(1, 200, 32))
+        # ... and by the server, which reads and drops it, answers, and keeps serving
+        big = _wire.encode({"op": "info", "pad": torch.zeros(10_000)})
+        assert "over this server's limit of 20,000 bytes" in raw(big)["error"]
+        # malformed payloads: answered with an error, never a dead server
+        for record, message in BAD_RECORDS:
+            assert message in raw(payload_with_record(record))["error"], record
+        assert "not a message" in raw(b"\x80\x05garbage")["error"]
+        assert sw.request(0, "info")["span"] == (0, 4) and sw.alive(0) and sw.pids()[0] == pid
+
+        # at most max_sessions open sessions (KV caches) per server
+        sw.request(0, "open", session="a")
+        sw.request(0, "open", session="b")
+        with pytest.raises(
+            swarm.RemoteError, match=r"holds 2 open sessions, its limit \(max_sessions\) is 2"
+        ):
+            sw.request(0, "open", session="c")
+        sw.request(0, "close", session="a")
+        sw.request(0, "open", session="c")
+        assert sw.request(0, "info")["sessions"] == 2 and sw.alive(0)
+    with pytest.raises(ValueError, match="max_message_bytes must be between 4096"):
+        swarm.Swarm(directory, [(0, 4)], max_message_bytes=100)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "nf4"])
@@ -307,12 +425,16 @@ def test_gradients_through_the_swarm_equal_local_and_blocks_stay_frozen(checkpoi
 
         # server 2 dies between forward and backward: backward recomputes over servers 0 and 1
         h = hidden.clone().requires_grad_(True)
+        params = leaves(adapters)
         out = client.forward(h, adapters=adapters)
         sw.kill(2)
-        out.backward(torch.ones_like(out))
+        got_adapters = torch.autograd.grad(out, [h, *params], torch.ones_like(out))
         reference_h = hidden.clone().requires_grad_(True)
-        local_blocks(model, reference_h, adapters).backward(torch.ones_like(out))
-        torch.testing.assert_close(h.grad, reference_h.grad, rtol=0, atol=1e-5)
+        reference = torch.autograd.grad(
+            local_blocks(model, reference_h, adapters), [reference_h, *params], torch.ones_like(out)
+        )
+        for g, e in zip(got_adapters, reference, strict=True):  # the hidden states' and every A's and B's
+            torch.testing.assert_close(g, e, rtol=0, atol=1e-5)
         assert [(f["server"], f["during"]) for f in client.failovers] == [(2, "backward")]
 
         # a few SGD steps on the adapters: the loss goes down, the servers' blocks do not change

@@ -23,6 +23,17 @@ Started by ``swarm.Swarm`` (never by hand). The server
 3. exits when the client goes: the socket reports EOF when the client process dies, and
    ``PR_SET_PDEATHSIG`` kills the server if its parent dies while it computes.
 
+A bad request never kills a server: a request over ``max_message_bytes`` is drained (read and
+dropped) and answered with an error, so is a payload that is not a valid message
+(``_wire.MalformedMessage``), and a reply over the limit is replaced by an error saying so.
+The server waits for the next request without a deadline (an idle client is normal), then
+gives reading the rest of it and sending the reply ``timeout`` seconds; a client that stops
+reading or sending mid-message for that long is dropped (the server exits).
+
+Each server keeps at most ``max_sessions`` open inference sessions (KV caches): ``open`` beyond
+that is refused with an error, so a client that forgets to close its sessions (use ``with
+client.inference_session() as s:``) cannot fill the server's memory.
+
 LoRA matrices travel with each request (``adapters``; the server never stores them) and are
 added to the query/value projections by forward hooks: ``out + lora_delta(x, A, B, scale)``.
 """
@@ -48,7 +59,10 @@ LORA_TARGETS = ("query", "key", "value", "output")
 class SpanServer:
     """Blocks ``start..end-1`` of the checkpoint in ``directory``, frozen, and the sessions' caches."""
 
-    def __init__(self, directory: str, start: int, end: int, fmt: str, device: str) -> None:
+    def __init__(
+        self, directory: str, start: int, end: int, fmt: str, device: str, max_sessions: int = 64
+    ) -> None:
+        self.max_sessions = max_sessions
         self.cfg = shards.read_index(directory).config
         self.start, self.end, self.fmt = start, end, fmt
         self.device = torch.device(device)
@@ -152,6 +166,12 @@ class SpanServer:
 
     def op_open(self, session: str, blocks=None) -> int:
         a, b = self._range(blocks)
+        if session not in self.sessions and len(self.sessions) >= self.max_sessions:
+            raise ValueError(
+                f"this server already holds {len(self.sessions)} open sessions, its limit (max_sessions) is "
+                f"{self.max_sessions}: close finished sessions (`with client.inference_session() as s:` "
+                "closes them) or start the swarm with a larger max_sessions"
+            )
         self.sessions[session] = {"blocks": (a, b), "cache": generate.KVCache(b - a)}
         return len(self.sessions)
 
@@ -195,7 +215,16 @@ class SpanServer:
 
 
 def serve(
-    sock: socket.socket, directory: str, start: int, end: int, fmt: str, device: str, threads: int
+    sock: socket.socket,
+    directory: str,
+    start: int,
+    end: int,
+    fmt: str,
+    device: str,
+    threads: int,
+    max_message_bytes: int = _wire.MAX_MESSAGE_BYTES,
+    timeout: float = 30.0,
+    max_sessions: int = 64,
 ) -> None:
     """The server process's main function: load, say ready, answer requests until EOF or shutdown."""
     _die_with_parent()
@@ -203,27 +232,40 @@ def serve(
     torch.set_num_threads(threads)
     sock.settimeout(None)
     try:
-        server = SpanServer(directory, start, end, fmt, device)
-        _wire.send_message(sock, {"ok": server.op_info()})
+        server = SpanServer(directory, start, end, fmt, device, max_sessions)
+        _wire.send_message(sock, {"ok": server.op_info()}, max_message_bytes, time.monotonic() + timeout)
     except BaseException:
-        with contextlib.suppress(OSError):
-            _wire.send_message(sock, {"error": traceback.format_exc()})
+        with contextlib.suppress(OSError, ValueError):
+            _wire.send_message(sock, {"error": traceback.format_exc()}, max_message_bytes)
         return
     while True:
         try:
-            request, _ = _wire.recv_message(sock)
-        except (ConnectionError, OSError, ValueError):
-            return  # the client is gone (EOF) or the stream is broken: nobody to serve
-        op = request.get("op") if isinstance(request, dict) else None
+            length = _wire.recv_length(sock)  # no deadline: waiting for the client's next request
+        except OSError:  # ConnectionError included: the client is gone (EOF), nobody to serve
+            return
+        deadline = time.monotonic() + timeout
+        op = None
         try:
-            reply = {"ok": server.handle(request)} if op != "shutdown" else {"ok": True}
-        except Exception:
-            reply = {"error": traceback.format_exc()}
-        try:
-            _wire.send_message(sock, reply)
-        except ValueError as error:  # our reply is over the size limit: say so instead
-            _wire.send_message(sock, {"error": str(error)})
-        except OSError:
+            if length > max_message_bytes:
+                _wire.drain(sock, length, deadline)  # the stream is at a message boundary again
+                reply = {
+                    "error": f"request of {length:,} bytes is over this server's limit of "
+                    f"{max_message_bytes:,} bytes (max_message_bytes): send smaller batches or "
+                    "shorter sequences, or start the swarm with a larger max_message_bytes"
+                }
+            else:
+                payload = _wire.recv_exact(sock, length, deadline)
+                try:
+                    request = _wire.decode(payload)
+                    op = request.get("op") if isinstance(request, dict) else None
+                    reply = {"ok": server.handle(request)} if op != "shutdown" else {"ok": True}
+                except Exception:  # a malformed message or a failed request: answer, keep serving
+                    reply = {"error": traceback.format_exc()}
+            try:
+                _wire.send_message(sock, reply, max_message_bytes, deadline)
+            except ValueError as error:  # our reply is over the size limit: say so instead
+                _wire.send_message(sock, {"error": str(error)}, max_message_bytes, deadline)
+        except OSError:  # EOF, a broken pipe, or TimeoutError: the client stopped mid-message
             return
         if op == "shutdown":
             return

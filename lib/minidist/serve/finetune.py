@@ -25,7 +25,8 @@ checks this, step for step, in fp32).
     run.losses, run.adapters      # {block: {"query": (A, B), "value": (A, B)}, "scale": s}
     lora.load_adapters(apply_lora'd local model, run.adapters); lora.merge_lora(model)   # to keep
 
-Layer 6: imports ``models.lora`` and talks to the swarm only through ``swarm.Client``.
+Layer 6: imports ``models.lora`` and the servers' list of adapter targets (``_server``), and talks
+to the swarm only through ``swarm.Client``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 
 from minidist.models import lora
 from minidist.models.transformer import TransformerConfig
+from minidist.serve._server import LORA_TARGETS
 
 __all__ = [
     "SwarmFinetune",
@@ -72,12 +74,20 @@ def init_adapters(
 
     Returns ``{block: {target: (A, B)}, "scale": alpha / rank}`` with leaf tensors that require
     grad (drawn from a generator seeded with ``seed``, in block, then target order).
+    ``targets`` must be among the attention projections a swarm server can adapt
+    (``LORA_TARGETS``: query, key, value, output), not the MLP's up/down.
     """
     shapes = lora.target_shapes(cfg)
     targets = tuple(targets)
     unknown = [t for t in targets if t not in shapes]
     if unknown:
         raise ValueError(f"unknown targets {unknown}: a block's linear layers are {list(shapes)}")
+    not_served = [t for t in targets if t not in LORA_TARGETS]
+    if not_served:
+        raise ValueError(
+            f"targets {not_served}: swarm servers add adapters only to the attention projections "
+            f"{list(LORA_TARGETS)}; choose targets among those"
+        )
     g = torch.Generator().manual_seed(seed)
     adapters: dict = {"scale": alpha / rank}
     for block in range(cfg.n_layers):

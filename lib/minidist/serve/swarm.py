@@ -25,8 +25,10 @@ token each hop carries one hidden state, 14336 values = 28,672 bytes in fp16, th
 keeps a KV cache for its blocks (``generate.span_step``), so a step sends one token's hidden
 state per hop. The client also keeps, per hop, every hidden state it sent (the session
 *history*). When a server dies mid-generation, the client routes the dead server's blocks over
-other servers and *replays* that history into them, which rebuilds the same caches, and goes on:
-the continuation equals what an undisturbed run (and ``generate.generate``) produces.
+other servers and *replays* that history into them, entry by entry with the chunking and positions
+of the original requests (the prompt, then one token per step), which rebuilds the same caches bit
+for bit, and goes on: the continuation equals what an undisturbed run (and ``generate.generate``)
+produces.
 
 **Training.** ``client.forward(hidden, adapters, prompts)`` is differentiable. Each hop is a
 ``torch.autograd.Function``: forward sends ``hidden`` (and the hop's LoRA matrices) for a
@@ -225,6 +227,11 @@ class Swarm:
     threads_per_server  torch threads per server process
     start_method        "forkserver" (default: torch already imported, a server starts in well under a
                         second, as ``md.launch``) or "spawn" (a fresh interpreter per server)
+    max_message_bytes   the largest message either side accepts (client and servers): a request over
+                        it is refused before sending (ValueError), a reply over it comes back as a
+                        ``RemoteError`` saying so; the server stays up (at least 4096)
+    max_sessions        open inference sessions (KV caches) per server; ``open`` beyond it is a
+                        ``RemoteError`` (close sessions: ``with client.inference_session() as s:``)
 
     ``request(i, op, **fields)`` is the raw call (see ``_server`` for the requests); ``kill(i)``
     SIGKILLs server i (the client notices at its next request, as it would a crashed machine).
@@ -242,6 +249,7 @@ class Swarm:
         threads_per_server: int = 1,
         start_method: str = "forkserver",
         max_message_bytes: int = _wire.MAX_MESSAGE_BYTES,
+        max_sessions: int = 64,
     ) -> None:
         self.directory = str(directory)
         self.config = shards.read_index(directory).config
@@ -263,10 +271,17 @@ class Swarm:
             raise ValueError(
                 f"start_method must be 'forkserver' or 'spawn' (no fork: CUDA), got {start_method!r}"
             )
+        if not 4096 <= max_message_bytes <= _wire.MAX_MESSAGE_BYTES:
+            raise ValueError(
+                f"max_message_bytes must be between 4096 (room for an error's traceback) and "
+                f"{_wire.MAX_MESSAGE_BYTES:,}, got {max_message_bytes!r}"
+            )
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be at least 1, got {max_sessions!r}")
         self.spans: list[tuple[int, int]] = spans
         self.fmt, self.timeout, self.device = fmt, float(timeout), device
         self.threads_per_server, self.start_method = threads_per_server, start_method
-        self.max_message_bytes = max_message_bytes
+        self.max_message_bytes, self.max_sessions = int(max_message_bytes), int(max_sessions)
         self.stats = [ServerStats() for _ in spans]
         self.info: list[dict] = []
         self._processes: list = []
@@ -295,7 +310,18 @@ class Swarm:
                 ours, theirs = socket.socketpair()
                 process = context.Process(
                     target=_server.serve,
-                    args=(theirs, self.directory, start, end, self.fmt, self.device, self.threads_per_server),
+                    args=(
+                        theirs,
+                        self.directory,
+                        start,
+                        end,
+                        self.fmt,
+                        self.device,
+                        self.threads_per_server,
+                        self.max_message_bytes,
+                        self.timeout,
+                        self.max_sessions,
+                    ),
                     name=f"swarm-server-{len(self._processes)}",
                     daemon=True,
                 )
@@ -311,6 +337,8 @@ class Swarm:
                     raise ServerFailed(i, f"did not load its blocks within {self.timeout} s") from None
                 except (ConnectionError, OSError):
                     raise ServerFailed(i, f"{self._death_reason(i)} while loading its blocks") from None
+                except (_wire.OversizedMessage, _wire.MalformedMessage) as error:
+                    raise ServerFailed(i, f"sent a broken ready message: {error}") from None
                 if "error" in reply:
                     raise ServerFailed(i, f"could not load blocks {self.spans[i]}:\n{reply['error']}")
                 self.info.append(reply["ok"])
@@ -377,7 +405,9 @@ class Swarm:
         """Send ``{"op": op, **fields}`` to server i and return its answer.
 
         Raises ``ServerFailed`` when the server is dead, closes the connection or does not answer
-        within ``timeout`` (default: the swarm's), ``RemoteError`` when it answers with an error.
+        within ``timeout`` (default: the swarm's) or sends a broken reply, ``RemoteError`` when it
+        answers with an error (also: the reply would be over ``max_message_bytes``), ``ValueError``
+        when the request itself is over ``max_message_bytes`` (nothing was sent).
         """
         if self._finalizer is None or not self._finalizer.alive:
             raise RuntimeError("this Swarm is not running: use it inside `with Swarm(...) as sw:`")
@@ -397,10 +427,10 @@ class Swarm:
             ) from None
         except (ConnectionError, OSError):
             raise self._fail(i, self._death_reason(i)) from None
-        except ValueError as error:
-            if "announced" in str(error):  # the server's answer is over the limit: the stream is unusable
-                raise self._fail(i, str(error)) from None
-            raise  # our request is over the limit: nothing was sent
+        except (_wire.OversizedMessage, _wire.MalformedMessage) as error:
+            # a server that knows our limit never announces more, and never sends a bad payload:
+            # the stream (or the server) is broken, and nothing it sends can be trusted any more
+            raise self._fail(i, f"sent a broken reply to {op!r}: {error}") from None
         stats = self.stats[i]
         stats.requests += 1
         stats.bytes_sent += sent
@@ -730,13 +760,22 @@ class _SessionHop:
 class InferenceSession:
     """A generation's state in the swarm: a KV cache on each server of the chain, and its history.
 
+    Use it as a context manager, so the servers' caches are freed however the block ends (each
+    server holds at most ``Swarm(max_sessions=...)`` sessions)::
+
+        with client.inference_session(adapters) as session:
+            out = session.step(client.embed(ids))               # the prompt: positions 0..T-1
+            out = session.step(client.embed(next_ids, session.length))   # one more position
+
     ``step(hidden)`` sends ``hidden`` (B, T_new, d) (positions length..length+T_new) through the
     chain and returns the last block's output. If a server fails, its hop is replaced::
 
         hops:    [s0: 0..1] ──► [s1: 2..3]            s1 dies at step t
-        history of hop s1:  h_0..h_{t-1}  (what the client sent it: kept on the client)
-        route(2, 4) = [s2: 2..3]  ──  open a session on s2, send cat(h_0..h_{t-1}) with past_len 0
-                                      (its cache now holds what s1's held), then step t as usual
+        history of hop s1:  h_0, h_1, ..., h_{t-1}  (each request's hidden states, kept on the client)
+        route(2, 4) = [s2: 2..3]  ──  open a session on s2, send h_0 (past_len 0), h_1 (past_len
+                                      T_0), ... -- the same requests s1 got, so s2 computes exactly
+                                      what s1 computed and its cache equals s1's bit for bit; then
+                                      step t as usual
     """
 
     def __init__(self, client: Client, adapters: dict | None = None) -> None:
@@ -767,15 +806,22 @@ class InferenceSession:
         return out.to(hidden.device)
 
     def _replace(self, dead: _SessionHop) -> list[_SessionHop]:
-        """New hops for the dead hop's blocks, their caches rebuilt by replaying its history."""
-        history = torch.cat(dead.history, dim=1) if dead.history else None
+        """New hops for the dead hop's blocks, their caches rebuilt by replaying its history.
+
+        The history is replayed request by request (same chunks, same ``past_len``): sending it
+        all at once would compute the same numbers in a different order (one (B, T, d) matmul
+        instead of several), close but not bit-identical, and the continuation could drift.
+        """
         failures = 0
         while True:
             new = [_SessionHop(*hop) for hop in self.client.route(dead.start, dead.end)]
             try:
-                x = history
-                for hop in new if x is not None else []:
-                    x = self._call(hop, x, 0)
+                past_len = 0
+                for chunk in dead.history:
+                    x = chunk
+                    for hop in new:
+                        x = self._call(hop, x, past_len)
+                    past_len += chunk.shape[1]
                 return new
             except ServerFailed as error:
                 self.client._record(error, (dead.start, dead.end), "replay")
