@@ -142,6 +142,25 @@ def test_generate_is_greedy_against_the_full_forward():
             assert torch.equal(out[:, t], model(out[:, :t]).logits[:, -1].argmax(-1))
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generate_turns_dropout_off_and_restores_the_mode(use_cache):
+    """A model left in training mode with dropout: generate decodes as in eval mode, every time."""
+    model = tiny_model("learned", dropout=0.5)
+    prompt = random_ids(2, 3)
+    expected = generate.generate(model, prompt, 8, use_cache=use_cache)  # tiny_model is in eval mode
+    # reference: the full forward in eval mode, argmax appended by hand
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(8):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(expected, ids)
+    model.train()
+    for seed in range(3):  # dropout would draw different masks for different seeds
+        torch.manual_seed(seed)
+        assert torch.equal(generate.generate(model, prompt, 8, use_cache=use_cache), expected)
+    assert model.training and all(m.training for m in model.modules())
+
+
 @pytest.mark.parametrize("which", [2, 0])
 def test_generate_stops_after_eos_for_every_sequence(which):
     """Reference: the free-running tokens, with everything after a sequence's first eos set to eos,

@@ -402,6 +402,8 @@ def generate(
     and then one token per step (``decoder_step``). Both give the same tokens.
     With ``eos_id``, a sequence that produced it keeps producing it, and generation stops early
     once every sequence has (the result is then shorter than T + max_new_tokens).
+    The model runs in eval mode (dropout off: otherwise the argmax would be of randomly thinned
+    activations) and is put back in the mode it had.
     """
     if input_ids.dim() != 2 or input_ids.shape[1] < 1:
         raise ValueError(
@@ -419,8 +421,19 @@ def generate(
             f"but the model has {cfg.max_positions}: shorten the prompt or ask for at most "
             f"{cfg.max_positions - input_ids.shape[1]} new tokens"
         )
+    was_training = model.training
+    model.eval()
+    try:
+        return _greedy(model, input_ids, max_new_tokens, use_cache, eos_id)
+    finally:
+        model.train(was_training)
+
+
+def _greedy(
+    model: DecoderLM, input_ids: torch.Tensor, max_new_tokens: int, use_cache: bool, eos_id: int | None
+) -> torch.Tensor:
     ids = input_ids
-    cache = KVCache(cfg.n_layers) if use_cache else None
+    cache = KVCache(model.cfg.n_layers) if use_cache else None
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     new_ids = ids  # what the cached model has not seen yet
     for _ in range(max_new_tokens):
