@@ -3,8 +3,9 @@
 Lecture 9 serves, quantizes and fine-tunes "a 176B model". Nobody can hold one here, so the
 techniques run on a decoder with BLOOM's layout (pre-LN, ALiBi instead of a position table, a
 LayerNorm on the embeddings, the output matrix tied to the word table) that is small enough to
-train on one CPU thread in about three minutes, yet predicts text well enough that a broken
-quantizer or a wrong KV cache shows up as a worse perplexity:
+train on one CPU thread in about 3 minutes on a quiet machine (253 CPU-seconds measured), yet
+predicts text well enough that a broken quantizer or a wrong KV cache shows up as a worse
+perplexity:
 
     load("course")  ──► cache hit?  $MINIDIST_CACHE/decoder-course-v1/model.safetensors.index.json
                           │ no                                      │ yes
@@ -17,8 +18,10 @@ linearly then decayed along half a cosine, gradient norm clipped to 1, batches d
 "train" split's causal-LM blocks (``data.lm_dataset``) in a seeded random order. Every random
 number comes from the recipe's seed, and training runs on ONE thread (``TRAIN_THREADS``): the
 CPU kernels split their sums differently with 1, 2 or 4 threads (4e-7 apart after 5 steps,
-measured), so a fixed thread count is what makes a student's laptop, CI and the committed
-notebook outputs train the same weights.
+measured), so a fixed thread count gives the same weights on machines with the same kind of
+CPU and the same torch build. Other CPUs (other vector units) or torch versions may differ in
+the last bits, which is why notebook outputs that depend on the weights are rounded or
+asserted loosely.
 
 Measuring a language model (``perplexity``): the exponential of the mean next-token negative
 log-likelihood on held-out text,
@@ -43,9 +46,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fcntl
+import hashlib
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,7 +104,8 @@ RECIPES: dict[str, Recipe] = {
     # BLOOM's layout at 1/112 of its width: 4 layers of d = 128, 4 heads, ALiBi, embedding
     # LayerNorm, the course's 8192-token vocabulary. 1.85M parameters, 1.05M of them the word table.
     # 400 steps of 16 x 128 tokens = 0.82M tokens, under half an epoch of the 1.84M-token train split:
-    # about 130 s on two quiet cores (0.33 s a step), plus ~10 s to tokenise the split once.
+    # about 3 minutes on one thread of a quiet machine (253 CPU-seconds measured, 0.63 s a step),
+    # plus ~10 s to tokenise the split once.
     "course": Recipe(
         config=TransformerConfig(
             vocab_size=8192,
@@ -208,36 +214,85 @@ def _train(recipe: Recipe, blocks: torch.Tensor, log_every: int) -> TrainResult:
     return TrainResult(model, losses, time.perf_counter() - start, time.process_time() - cpu_start)
 
 
+# A second process that finds the lock taken waits at most this long for the first one's
+# training (about 3 minutes on a quiet machine; far longer on a loaded one), then gives up.
+LOCK_TIMEOUT_S = 30 * 60
+LOCK_POLL_S = 1.0
+
+
+def _tokenizer_digest(tok: Tokenizer) -> str:
+    """sha256 of the tokenizer's JSON: the ids the weights were trained on mean these tokens."""
+    return hashlib.sha256(tok.to_str().encode()).hexdigest()
+
+
+def _take_lock(lock, lock_path: Path, name: str) -> None:  # noqa: ANN001
+    """flock ``lock`` exclusively; say so once if another process holds it; give up after LOCK_TIMEOUT_S."""
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return
+    except BlockingIOError:
+        pass
+    print(f"waiting for another process training {name!r} (lock file {lock_path})", flush=True)
+    deadline = time.monotonic() + LOCK_TIMEOUT_S
+    while True:
+        time.sleep(LOCK_POLL_S)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"waited {LOCK_TIMEOUT_S:.0f} s for {lock_path}: another process is still training "
+                    f"{name!r}. The lock dies with its process, so one is alive: wait for it, or end it "
+                    "(find it with `fuser` or `lsof` on the lock file), or point MINIDIST_CACHE "
+                    "elsewhere"
+                ) from None
+
+
 def checkpoint_dir(name: str = "course") -> Path:
     """The directory of the pretrained shards, training them first if the cache has none.
 
     Concurrent callers are safe: the first takes a lock file and trains; the others wait on the
-    lock and then find the finished checkpoint (``save_sharded`` renames it into place whole).
+    lock (at most ``LOCK_TIMEOUT_S``) and then find the finished checkpoint, which appears
+    whole: it is written to a staging directory and renamed into place.
     """
     recipe = _recipe(name)
     directory = _cache_path(name)
     if (directory / shards.INDEX_NAME).exists():
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
-    with open(directory.parent / f".{directory.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (or the process dies)
+    lock_path = directory.parent / f".{directory.name}.lock"
+    with open(lock_path, "w") as lock:
+        _take_lock(lock, lock_path, name)  # released when the file closes (or the process dies)
         if (directory / shards.INDEX_NAME).exists():  # another process trained it while we waited
             return directory
-        tok = data.load_tokenizer()
-        result = train(recipe, tok)
-        info = {
-            "recipe": {**dataclasses.asdict(recipe), "config": dataclasses.asdict(recipe.config)},
-            "train_seconds": round(result.train_seconds, 1),
-            "cpu_seconds": round(result.cpu_seconds, 1),
-            "threads": TRAIN_THREADS,
-            "first_loss": result.losses[0],
-            "final_loss": sum(result.losses[-20:]) / len(result.losses[-20:]),
-            "eval_perplexity": perplexity(result.model, "eval", recipe.seq_len, tok=tok),
-        }
+        if directory.exists() and any(directory.iterdir()):
+            raise ValueError(
+                f"{directory} exists but holds no {shards.INDEX_NAME}: it is not a finished checkpoint. "
+                "Delete that folder and call again (the model is then trained anew)"
+            )
+        # staging folders of processes that died while training (we hold the lock: none is live)
+        for stale in directory.parent.glob(f".{directory.name}.staging-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         staging = directory.parent / f".{directory.name}.staging-{os.getpid()}"
-        shards.save_sharded(result.model, staging, overwrite=True)
-        (staging / TRAINING_INFO).write_text(json.dumps(info, indent=2) + "\n")
-        os.replace(staging, directory)  # shards, index and training record appear together
+        try:
+            tok = data.load_tokenizer()
+            result = train(recipe, tok)
+            info = {
+                "recipe": {**dataclasses.asdict(recipe), "config": dataclasses.asdict(recipe.config)},
+                "tokenizer_sha256": _tokenizer_digest(tok),
+                "train_seconds": round(result.train_seconds, 1),
+                "cpu_seconds": round(result.cpu_seconds, 1),
+                "threads": TRAIN_THREADS,
+                "first_loss": result.losses[0],
+                "final_loss": sum(result.losses[-20:]) / len(result.losses[-20:]),
+                "eval_perplexity": perplexity(result.model, "eval", recipe.seq_len, tok=tok),
+            }
+            shards.save_sharded(result.model, staging, overwrite=True)
+            (staging / TRAINING_INFO).write_text(json.dumps(info, indent=2) + "\n")
+            os.replace(staging, directory)  # shards, index and training record appear together
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)  # gone after the rename; left by a failure
     return directory
 
 
@@ -247,10 +302,36 @@ def training_info(name: str = "course") -> dict:
 
 
 def load(name: str = "course") -> tuple[DecoderLM, Tokenizer]:
-    """The pretrained decoder (fp32, eval mode, on the CPU) and the course tokenizer."""
-    model = shards.load_decoder(checkpoint_dir(name))
+    """The pretrained decoder (fp32, eval mode, on the CPU) and the course tokenizer.
+
+    The cached checkpoint must have been trained by ``RECIPES[name]`` with this tokenizer: a
+    cache left by an older recipe (same version, edited config) or vocabulary is refused.
+    """
+    directory = checkpoint_dir(name)
+    tok = data.load_tokenizer()
+    _check_cache(name, directory, tok)
+    model = shards.load_decoder(directory)
     model.eval()
-    return model, data.load_tokenizer()
+    return model, tok
+
+
+def _check_cache(name: str, directory: Path, tok: Tokenizer) -> None:
+    """Refuse a cached checkpoint whose config or tokenizer differ from today's recipe."""
+    advice = f"delete the folder {directory} (load retrains it), or bump RECIPES[{name!r}].version"
+    stored = shards.read_index(directory).config
+    if stored != _recipe(name).config:
+        raise ValueError(
+            f"the cached checkpoint was trained with {stored}, but RECIPES[{name!r}] now says "
+            f"{_recipe(name).config}: {advice}"
+        )
+    info_path = directory / TRAINING_INFO
+    recorded = json.loads(info_path.read_text()).get("tokenizer_sha256") if info_path.exists() else None
+    # records written before the digest was kept have none: nothing to compare
+    if recorded is not None and recorded != _tokenizer_digest(tok):
+        raise ValueError(
+            f"the cached checkpoint was trained with another tokenizer (sha256 {recorded[:12]}..., "
+            f"this one {_tokenizer_digest(tok)[:12]}...): {advice}"
+        )
 
 
 def _eval_blocks(
