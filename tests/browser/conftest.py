@@ -57,7 +57,7 @@ def shm_files() -> set[str]:
 def find_chromium() -> str | None:
     """The system's Chromium (MINIDIST_CHROMIUM overrides): playwright never downloads one here."""
     if os.environ.get("MINIDIST_CHROMIUM"):
-        return os.environ["MINIDIST_CHROMIUM"]
+        return shutil.which(os.environ["MINIDIST_CHROMIUM"])
     for name in ("chromium", "chromium-browser", "google-chrome"):
         if found := shutil.which(name):
             return found

@@ -17,6 +17,7 @@ NEWS = "@jupyterlab/apputils-extension:notification"
 NOTEBOOK_01 = "notebooks/01_processes_pipes_shared_memory.ipynb"
 ARTIFACTS = Path(__file__).resolve().parents[2] / "browser-artifacts"
 RUN_TIMEOUT = 240  # s: Run All of one notebook (notebook 01 takes ~11 s under nbval)
+VERDICT = re.compile(r"^all public tests pass$")  # what a1's notebook prints when they do
 TRACEBACK = "Traceback (most recent call last)"  # how the lab renders a cell's exception
 
 
@@ -68,6 +69,11 @@ def wait_until_run(page, panel, lab, timeout: float = RUN_TIMEOUT) -> None:
     )
 
 
+def printed(panel, text):
+    """Outputs a cell printed (stdout) with `text`; a traceback also shows the source it failed in."""
+    return panel.locator('[data-mime-type="application/vnd.jupyter.stdout"]', has_text=text)
+
+
 def cell_report(panel) -> list[tuple[str, str]]:
     """(input prompt, output text) of every code cell, in order."""
     cells = panel.locator(".jp-CodeCell")
@@ -91,6 +97,8 @@ def test_first_opening(page, lab):
     names = [n.strip() for n in browser_listing.locator(".jp-DirListing-itemName").all_inner_texts()]
     lectures = sorted(p.name for p in (lab.root / "notebooks").glob("*.ipynb"))
     assert sorted(names) == lectures, f"the notebooks folder lists {names}, expected the lectures {lectures}"
+    helper = lab.api("GET", "contents/notebooks/lecture01/race.py").json()  # hidden, not gone:
+    assert "def " in helper["content"]  # File > Open from Path... opens it
     reply = requests.get(f"{lab.base}/lab/api/settings/{NEWS}", headers=lab.headers, timeout=30)
     news = reply.json()  # the course's overrides.json becomes the default a student starts from
     fetch = news["settings"].get("fetchNews", news["schema"]["properties"]["fetchNews"]["default"])
@@ -128,9 +136,11 @@ def test_a1_stub_says_what_to_fill_in(page, lab):
     wait_until_run(page, panel, lab)
     outputs = panel.locator(".jp-OutputArea-output", has_text="TODO(task 1)")
     assert outputs.count() > 0, f"no output of the stub says 'TODO(task 1)': {cell_report(panel)}"
-    report = panel.locator(".jp-OutputArea-output", has_text=re.compile(r"\d+ failed"))
+    report = printed(panel, re.compile(r"\d+ failed"))
     assert report.count() >= 1, "the public tests of the stub do not report failures"
-    assert panel.locator(".jp-OutputArea-output", has_text="all public tests pass").count() == 0
+    assert printed(panel, VERDICT).count() == 0, "the stub claims that all public tests pass"
+    failure = panel.locator(".jp-OutputArea-output", has_text="some public tests fail: see the report above")
+    assert failure.count() == 1, "the stub's assert on the public tests does not fail"
     outputs.first.scroll_into_view_if_needed()
     screenshot(page, "a1_stub")
 
@@ -139,9 +149,9 @@ def test_a1_with_the_solution_passes_the_public_tests(page, lab):
     panel = open_notebook(page, lab, "solved/a1_collectives/a1_collectives.ipynb")
     menu(page, "Run", "Run All Cells")
     wait_until_run(page, panel, lab)
-    verdict = panel.locator(".jp-OutputArea-output", has_text="all public tests pass")
-    assert verdict.count() == 1, f"'all public tests pass' not shown: {cell_report(panel)[-6:]}"
-    report = panel.locator(".jp-OutputArea-output", has_text=re.compile(r"\d+ passed"))
+    verdict = printed(panel, VERDICT)
+    assert verdict.count() == 1, f"'all public tests pass' not printed: {cell_report(panel)[-6:]}"
+    report = printed(panel, re.compile(r"\d+ passed"))
     assert report.count() >= 1 and "failed" not in report.first.inner_text()
     report.first.scroll_into_view_if_needed()
     screenshot(page, "a1_feedback")
