@@ -96,17 +96,38 @@ def test_prefetch_on_and_off_agree_and_dtype_converts(checkpoint):
 
 
 # --- release: at most two blocks, none after a pass ------------------------------------------
-def test_at_most_two_blocks_exist_and_none_after_a_pass(checkpoint):
+def test_at_most_two_blocks_exist_and_none_after_a_pass(checkpoint, monkeypatch):
     _, directory = checkpoint
     ids = torch.randint(97, (1, 8))
     with StreamedDecoder(directory, prefetch=True) as streamed:
         streamed.generate(ids, 3)
-        assert streamed.max_live_blocks == 2  # the one computing and the one being read
+        # the one computing and the one being read; whether the read finishes before the compute
+        # (2) or after (1) depends on thread timing
+        assert 1 <= streamed.max_live_blocks <= 2
         assert streamed.live_blocks() == 0
     with StreamedDecoder(directory, prefetch=False) as streamed:
         streamed(ids)
         assert streamed.max_live_blocks == 1
         assert streamed.live_blocks() == 0
+    # exactly two: a loader whose block i's compute waits until block i + 1 has been read
+    real = shards.load_block
+
+    def gated(directory, i, *args, **kwargs):  # block i's compute waits until block i + 1 is read
+        block = real(directory, i, *args, **kwargs)
+
+        def wait_for_next(module, inputs):
+            deadline = time.monotonic() + 30
+            while streamed.live_blocks() < 2 and time.monotonic() < deadline:
+                time.sleep(0.005)
+
+        if i + 1 < 4:
+            block.register_forward_pre_hook(wait_for_next)
+        return block
+
+    monkeypatch.setattr(shards, "load_block", gated)
+    with StreamedDecoder(directory, prefetch=True) as streamed:
+        streamed(ids)
+        assert streamed.max_live_blocks == 2 and streamed.live_blocks() == 0  # exactly two, never three
 
 
 def test_budget_matches_the_parameter_formula(checkpoint):
@@ -185,9 +206,16 @@ def test_a_read_slower_than_the_timeout_raises_and_its_late_block_is_dropped(che
             gate.wait(30)
         return real(directory, i, *args, **kwargs)
 
+    real_result = offload._Loader.result
+
+    def result(self, i):  # a short deadline for the gated block only; every other read gets 120 s
+        self._timeout = 2.0 if i == 2 and not gate.is_set() else 120.0
+        return real_result(self, i)
+
     ids = torch.randint(97, (1, 6))
-    with StreamedDecoder(directory, prefetch=True, load_timeout=2.0) as streamed:
+    with StreamedDecoder(directory, prefetch=True, load_timeout=120.0) as streamed:
         monkeypatch.setattr(shards, "load_block", slow)
+        monkeypatch.setattr(offload._Loader, "result", result)
         with pytest.raises(TimeoutError, match="block 2"):
             streamed(ids)
         gate.set()  # the late block 2 arrives now; the next pass must not take it for block 0
@@ -221,6 +249,76 @@ def test_close_stops_the_thread_and_bad_input_is_refused(checkpoint):
     assert len(loader_threads()) == before
 
 
+def test_step_refuses_a_past_len_that_disagrees_with_the_cache(checkpoint):
+    _, directory = checkpoint
+    ids = torch.randint(97, (1, 4))
+    with StreamedDecoder(directory, prefetch=False) as streamed:
+        cache = gen.KVCache(4)
+        with pytest.raises(ValueError, match="holds 0 positions but past_len is 3"):
+            streamed.step(ids, cache, 3)
+        streamed.step(ids, cache, 0)
+        with pytest.raises(ValueError, match="holds 4 positions but past_len is 0"):
+            streamed.step(ids[:, :1], cache, 0)  # would attend to the old positions as if new
+        assert cache.length == 4  # the refused steps changed nothing
+        streamed.step(ids[:, :1], cache, 4)
+        assert cache.length == 5
+
+
+def test_dtype_sizes_match_safetensors_and_unknown_dtypes_are_named(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    dtypes = [torch.bool, torch.float8_e4m3fn, torch.float8_e5m2, torch.float16, torch.bfloat16, torch.int8]
+    dtypes += [torch.uint8, torch.int16, torch.int32, torch.int64, torch.float32, torch.float64]
+    tensors = {str(d): torch.zeros(3, dtype=d) for d in dtypes}
+    save_file(tensors, tmp_path / "all.safetensors")
+    with safe_open(str(tmp_path / "all.safetensors"), framework="pt") as f:
+        for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+            stored = f.get_slice(name).get_dtype()
+            assert offload._dtype_bytes(stored, name) == tensors[name].element_size(), (name, stored)
+    with pytest.raises(ValueError, match="'w' is stored as 'C64'"):
+        offload._dtype_bytes("C64", "w")
+
+
+def test_demo_deletes_only_the_checkpoint_it_wrote(tmp_path, monkeypatch):
+    """With ``directory``, demo() writes ``directory/checkpoint`` and removes only that, also when
+    writing fails; the user's other files stay. (The real writing and measuring are replaced.)"""
+    written = []
+
+    def write(target, cfg, seed=0, timeout=0):
+        written.append(target)
+        target.mkdir()
+        (target / "model.safetensors").write_bytes(b"x")
+        if fail:
+            raise RuntimeError("disk full")
+
+    def measure(target, **kwargs):
+        assert (target / "model.safetensors").exists()
+        return {"disk_bytes": 10, "budget_bytes": 5}
+
+    monkeypatch.setattr(offload, "write_random_checkpoint", write)
+    monkeypatch.setattr(offload, "measure_streaming", measure)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    fail = False
+    result = offload.demo(tiny_config(), directory=mine)
+    assert written == [mine / "checkpoint"] and result["directory"] is None and result["times_budget"] == 2
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    fail = True
+    with pytest.raises(RuntimeError, match="disk full"):
+        offload.demo(tiny_config(), directory=mine)
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    fail = False
+    kept = offload.demo(tiny_config(), directory=mine, keep=True)
+    assert kept["directory"] == str(mine / "checkpoint") and (mine / "checkpoint").is_dir()
+    with pytest.raises(ValueError, match="already exists"):  # never written into, never deleted
+        offload.demo(tiny_config(), directory=mine)
+    assert (mine / "checkpoint" / "model.safetensors").exists() and (mine / "notes.txt").exists()
+    result = offload.demo(tiny_config())  # a temporary directory of its own: gone afterwards
+    assert not written[-1].parent.exists()
+
+
 # --- resident memory, measured in child processes --------------------------------------------
 @pytest.mark.slow
 def test_peak_rss_stays_within_the_budget(tmp_path):
@@ -246,7 +344,8 @@ def test_peak_rss_stays_within_the_budget(tmp_path):
     assert in_memory["peak_growth"] > bound, (in_memory, bound)  # the control: the model does not fit
     for mode in ("prefetch", "no_prefetch"):
         assert result[mode]["peak_growth"] <= bound, (mode, result[mode], bound)
-        assert result[mode]["max_live_blocks"] == (2 if mode == "prefetch" else 1)
+        # prefetch: 2 when a read overlaps a compute, 1 when every read finished first (thread timing)
+        assert 1 <= result[mode]["max_live_blocks"] <= (2 if mode == "prefetch" else 1)
         assert result[mode]["tokens_per_s"] > 0
     assert result["overhead_bytes"] == result["prefetch"]["peak_growth"] - budget
     assert result["ratio_vs_in_memory"] == pytest.approx(

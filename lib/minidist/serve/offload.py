@@ -108,7 +108,21 @@ class BlockLoadError(RuntimeError):
 # --------------------------------------------------------------------------------------------
 # Sizes, read from the shards' headers (no tensor data is read)
 # --------------------------------------------------------------------------------------------
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1}
+# every dtype a safetensors header can name (BOOL is stored as one byte per element)
+_DTYPE_BYTES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1,
+}  # fmt: skip
+
+
+def _dtype_bytes(dtype: str, name: str) -> int:
+    """Bytes per element of a safetensors dtype name; a clear error for one we do not know."""
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(
+            f"tensor {name!r} is stored as {dtype!r}, a dtype this reader does not size "
+            f"(known: {sorted(_DTYPE_BYTES)}): convert the checkpoint to one of those"
+        )
+    return _DTYPE_BYTES[dtype]
 
 
 def _bytes_by_prefix(directory: str | os.PathLike, prefixes: list[str]) -> dict[str, int]:
@@ -132,7 +146,7 @@ def _bytes_by_prefix(directory: str | os.PathLike, prefixes: list[str]) -> dict[
                 for prefix in prefixes:
                     if name.startswith(prefix):
                         sl = f.get_slice(name)
-                        out[prefix] += math.prod(sl.get_shape()) * _DTYPE_BYTES[sl.get_dtype()]
+                        out[prefix] += math.prod(sl.get_shape()) * _dtype_bytes(sl.get_dtype(), name)
     return out
 
 
@@ -437,6 +451,11 @@ class StreamedDecoder:
         if len(cache) != self.n_layers:
             raise ValueError(
                 f"cache has {len(cache)} layers, the model {self.n_layers}: use KVCache(n_layers)"
+            )
+        if past_len != cache.length:
+            raise ValueError(
+                f"the cache holds {cache.length} positions but past_len is {past_len}: pass "
+                "past_len=cache.length (the positions already run), or start a fresh KVCache"
             )
         hidden = gen.embed(self.embeddings, new_ids, past_len)
         bias = gen.step_bias(self.cfg, past_len, new_ids.shape[1], hidden.dtype, hidden.device)
@@ -775,14 +794,29 @@ def demo(
 ) -> dict:
     """Write a random checkpoint (``demo_config()``: about 1 GB), run it streamed and in memory.
 
-    The checkpoint goes under ``directory`` (a new temporary directory by default) and is deleted
-    afterwards unless ``keep=True``. Returns :func:`measure_streaming`'s dict plus ``directory``
-    (None once deleted), ``write_s`` and ``times_budget`` (disk bytes / budget).
-    Costs 40-80 s on two busy cores (measured): writing 1 GB (~30 s), then three child processes.
+    The checkpoint goes to ``directory / "checkpoint"`` (``directory``: a new temporary directory
+    by default; it is created if missing, and a ``checkpoint`` already in it is refused, never
+    overwritten). Unless ``keep=True``, afterwards this deletes only what it created: the
+    ``checkpoint`` subdirectory (and the temporary directory); anything else in ``directory`` is
+    left alone, also when writing failed. Returns :func:`measure_streaming`'s dict plus
+    ``directory`` (the checkpoint's path, None once deleted), ``write_s`` and ``times_budget``
+    (disk bytes / budget). Costs 40-80 s on two busy cores (measured): writing 1 GB (~30 s),
+    then three child processes.
     """
     cfg = cfg or demo_config()
-    parent = Path(tempfile.mkdtemp(prefix="minidist-streamed-")) if directory is None else Path(directory)
-    target = parent / "checkpoint" if directory is None else parent
+    if directory is None:
+        parent = Path(tempfile.mkdtemp(prefix="minidist-streamed-"))
+        created = parent  # all ours: delete it whole
+    else:
+        parent = Path(directory)
+        if (parent / "checkpoint").exists():
+            raise ValueError(
+                f"{parent / 'checkpoint'} already exists: demo() writes its checkpoint there and deletes "
+                "it afterwards, so give a directory without a 'checkpoint' entry (or directory=None)"
+            )
+        parent.mkdir(parents=True, exist_ok=True)
+        created = parent / "checkpoint"  # only this is ours
+    target = parent / "checkpoint"
     try:
         start = time.perf_counter()
         write_random_checkpoint(target, cfg, seed=seed, timeout=timeout)
@@ -795,7 +829,7 @@ def demo(
         result["directory"] = str(target) if keep else None
     finally:
         if not keep:
-            shutil.rmtree(parent if directory is None else target, ignore_errors=True)
+            shutil.rmtree(created, ignore_errors=True)
     return result
 
 
