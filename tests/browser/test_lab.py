@@ -131,16 +131,23 @@ def test_notebook_01_runs_all_in_the_lab(page, lab):
 
 
 def test_a1_stub_says_what_to_fill_in(page, lab):
+    """Sections 1-4 on the released stub: the traces say which TODO to fill in.
+
+    (Section 5, the public tests, is left out here: on the stub they take as long as with the
+    solution, which the next test runs.)
+    """
     panel = open_notebook(page, lab, "assignments/a1_collectives/a1_collectives.ipynb")
-    menu(page, "Run", "Run All Cells")
+    public_tests = panel.locator(".jp-CodeCell", has_text="run_public_tests()")
+    public_tests.locator(".jp-InputPrompt").click()
+    menu(page, "Run", "Run All Above Selected Cell")
     wait_until_run(page, panel, lab)
-    outputs = panel.locator(".jp-OutputArea-output", has_text="TODO(task 1)")
+    outputs = printed(panel, "TODO(task 1)")
     assert outputs.count() > 0, f"no output of the stub says 'TODO(task 1)': {cell_report(panel)}"
-    report = printed(panel, re.compile(r"\d+ failed"))
-    assert report.count() >= 1, "the public tests of the stub do not report failures"
-    assert printed(panel, VERDICT).count() == 0, "the stub claims that all public tests pass"
-    failure = panel.locator(".jp-OutputArea-output", has_text="some public tests fail: see the report above")
-    assert failure.count() == 1, "the stub's assert on the public tests does not fail"
+    assert "tree_broadcast is not implemented yet" in outputs.first.inner_text()
+    ran = [prompt for prompt, _ in cell_report(panel)]
+    assert re.fullmatch(r"\[\d+\]:", ran[0]) and not re.search(
+        r"\d", public_tests.locator(".jp-InputPrompt").inner_text()
+    )
     outputs.first.scroll_into_view_if_needed()
     screenshot(page, "a1_stub")
 
