@@ -144,10 +144,10 @@ def test_a1_stub_says_what_to_fill_in(page, lab):
     outputs = printed(panel, "TODO(task 1)")
     assert outputs.count() > 0, f"no output of the stub says 'TODO(task 1)': {cell_report(panel)}"
     assert "tree_broadcast is not implemented yet" in outputs.first.inner_text()
-    ran = [prompt for prompt, _ in cell_report(panel)]
-    assert re.fullmatch(r"\[\d+\]:", ran[0]) and not re.search(
-        r"\d", public_tests.locator(".jp-InputPrompt").inner_text()
-    )
+    first_prompt = cell_report(panel)[0][0]
+    assert re.fullmatch(r"\[\d+\]:", first_prompt), f"the first cell did not run: {first_prompt}"
+    not_run = public_tests.locator(".jp-InputPrompt").inner_text()
+    assert not re.search(r"\d", not_run), f"Run All Above ran the public tests too: {not_run}"
     outputs.first.scroll_into_view_if_needed()
     screenshot(page, "a1_stub")
 
