@@ -19,7 +19,12 @@ from __future__ import annotations
 import re
 
 from grader.forbidden import Rules
-from grader.plan import GradedTest, Job
+from grader.plan import (
+    GradedTest,
+    Job,
+    import_failure_of,
+    ranked_failure_message,
+)
 
 from . import STUDENT_FILES, rules
 from . import test_hidden as hidden
@@ -224,30 +229,12 @@ def _rejects_test(name: str, p: int, shape: tuple[int, ...]) -> GradedTest:
 
 def failure_message(test: GradedTest, error: dict, seconds: float) -> str:
     """The student-facing message for a job that did not return (``error`` as the harness wrote it)."""
-    job = test.job
-    text = str(error.get("text", ""))
-    if error.get("kind") == "timeout":
-        return hidden.timeout_failure(test.function, job.world_size, job.transport, seconds, text)
-    if error.get("kind") == "worker":
-        rank = error.get("rank", "?")
-        exc_type, summary = str(error.get("exc_type", "")), str(error.get("summary", ""))
-        return hidden.worker_failure(
-            test.function, job.world_size, job.transport, exc_type, rank, summary, text
-        )
-    return f"{test.function}: the test harness failed: {text}"
+    return ranked_failure_message(hidden, test, error, seconds)
 
 
 def import_failure(error: dict) -> str | None:
     """A one-line summary when a job failed because ``collectives.py`` could not be imported."""
-    text, exc_type = str(error.get("text", "")), str(error.get("exc_type", ""))
-    if error.get("kind") != "worker":
-        return None
-    if (
-        exc_type in ("ImportError", "ModuleNotFoundError", "SyntaxError")
-        or 'import_module("collectives")' in text
-    ):
-        return f"{exc_type or 'the process died'}: {str(error.get('summary', ''))[:200]}"
-    return None
+    return import_failure_of(error, 'import_module("collectives")')
 
 
 _EXPECTED_VALUE = re.compile(r"(element \([^)]*\) is [^,]+), expected [^(]+\(")
