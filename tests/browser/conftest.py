@@ -218,20 +218,31 @@ def lab(chromium_path, tmp_path_factory) -> Lab:
         assert not left, f"the lab server or its kernels needed SIGKILL: {left}\n{lab.log_tail()}"
 
 
+def _crashpad_handlers(home: Path) -> list[psutil.Process]:
+    """Chromium's crash handler detaches itself (its parent becomes init): found by its database."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        if str(home) in " ".join(proc.info["cmdline"] or []):
+            found.append(proc)
+    return found
+
+
 @pytest.fixture(scope="session")
-def browser(chromium_path, lab):
+def browser(chromium_path, lab, tmp_path_factory):
     from playwright.sync_api import sync_playwright
 
+    home = tmp_path_factory.mktemp("chromium")  # its config and cache (crash reports), not ~/.config
+    env = {**os.environ, "XDG_CONFIG_HOME": str(home / "config"), "XDG_CACHE_HOME": str(home / "cache")}
     before = {p.pid for p in psutil.Process().children()}
     pw = sync_playwright().start()
     driver = [p for p in psutil.Process().children() if p.pid not in before]
     args = ["--no-sandbox"] if os.geteuid() == 0 else []
-    chromium = pw.chromium.launch(executable_path=chromium_path, headless=True, args=args)
+    chromium = pw.chromium.launch(executable_path=chromium_path, headless=True, args=args, env=env)
     chromium._driver_pids = {p.pid for p in driver}  # for no_leaks below
     try:
         yield chromium
     finally:
-        procs = [proc for p in driver for proc in _tree(p.pid)]
+        procs = [proc for p in driver for proc in _tree(p.pid)] + _crashpad_handlers(home)
         chromium.close()
         pw.stop()
         _, alive = psutil.wait_procs(procs, timeout=15)
