@@ -14,7 +14,6 @@ exactly their expected scores on a subset of the hidden tests that tells them ap
 
 from __future__ import annotations
 
-import csv
 import importlib.util
 import json
 import os
@@ -26,6 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from grade_helpers import check_points_and_hints, gradebook, hidden_test_names, run_grader
 from grader import forbidden, similarity
 from grader.examples.a5_model_parallel import make
 
@@ -61,48 +61,14 @@ def solution_schedule():
 
 
 def grade(submissions: Path, out: Path, *extra: str) -> str:
-    command = [
-        sys.executable,
-        "-m",
-        "grader",
-        "grade",
-        "a5_model_parallel",
-        str(submissions),
-        "--out",
-        str(out),
-    ]
-    result = subprocess.run(
-        [*command, *extra], cwd=ROOT, capture_output=True, text=True, timeout=500, start_new_session=True
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout + result.stderr
-
-
-def gradebook(out: Path) -> dict[str, dict]:
-    with open(out / "gradebook.csv", newline="") as file:
-        return {row["id"]: row for row in csv.DictReader(file)}
+    return run_grader("a5_model_parallel", submissions, out, *extra, timeout=500)
 
 
 def test_graded_tests_are_the_hidden_tests_with_their_points():
-    command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "grader/a5_model_parallel",
-        "--collect-only",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-    ]
-    collected = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
-    names = [line.split("::", 1)[1] for line in collected.splitlines() if "::" in line]
+    names = hidden_test_names("a5_model_parallel")
     graded = grading.graded_tests(seed=12345)
     assert [t.name for t in graded] == names and len(names) >= 15
-    for test in graded:
-        function = getattr(hidden, test.name.split("[")[0])
-        marker = next(m for m in function.pytestmark if m.name == "points")
-        assert test.points == marker.args[0], test.name
-        assert test.function in grading.HINTS and test.function in hidden.TASKS
+    check_points_and_hints(graded, grading, hidden)
     assert set(SUBSET_NAMES) <= set(names)
 
 

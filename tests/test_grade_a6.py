@@ -19,7 +19,6 @@ a fixed seed key; about a minute on 2 busy cores).
 
 from __future__ import annotations
 
-import csv
 import importlib.util
 import json
 import math
@@ -33,6 +32,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from grade_helpers import check_points_and_hints, gradebook, hidden_test_names, run_grader
 from grader import forbidden, guard, similarity
 from grader.examples.a6_inference import make
 from minidist import quant
@@ -67,25 +67,10 @@ def solution():
 
 
 def test_graded_tests_are_the_hidden_tests_with_their_points():
-    command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "grader/a6_inference",
-        "--collect-only",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-    ]
-    collected = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120).stdout
-    names = [line.split("::", 1)[1] for line in collected.splitlines() if "::" in line]
+    names = hidden_test_names("a6_inference")
     graded = grading.graded_tests(seed=12345)
     assert [t.name for t in graded] == names and len(names) >= 15
-    for test in graded:
-        function = getattr(hidden, test.name.split("[")[0])
-        marker = next(m for m in function.pytestmark if m.name == "points")
-        assert test.points == marker.args[0], test.name
-        assert test.function in grading.HINTS and test.function in hidden.TASKS
+    check_points_and_hints(graded, grading, hidden)
     assert set(SUBSET_NAMES) <= set(names)
     assert 45 <= sum(t.points for t in graded) <= 60
 
@@ -480,17 +465,7 @@ def test_the_run_time_guard_refuses_the_library_and_leaves_plain_torch_alone(tmp
 
 # --- the whole pipeline ---------------------------------------------------------------------------------
 def grade(submissions: Path, out: Path, *extra: str) -> str:
-    command = [sys.executable, "-m", "grader", "grade", "a6_inference", str(submissions), "--out", str(out)]
-    result = subprocess.run(
-        [*command, *extra], cwd=ROOT, capture_output=True, text=True, timeout=500, start_new_session=True
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout + result.stderr
-
-
-def gradebook(out: Path) -> dict[str, dict]:
-    with open(out / "gradebook.csv", newline="") as file:
-        return {row["id"]: row for row in csv.DictReader(file)}
+    return run_grader("a6_inference", submissions, out, *extra, timeout=500)
 
 
 @pytest.mark.slow

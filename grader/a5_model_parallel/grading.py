@@ -10,10 +10,14 @@ points.
 
 from __future__ import annotations
 
-import re
-
 from grader.forbidden import Rules
-from grader.plan import GradedTest, Job
+from grader.plan import (
+    GradedTest,
+    graded_tests_from_cases,
+    import_failure_of,
+    ranked_failure_message,
+    redact_expected,
+)
 
 from . import STUDENT_FILES, rules
 from . import test_hidden as hidden
@@ -83,45 +87,18 @@ HINTS = {
 
 def graded_tests(seed: int) -> list[GradedTest]:
     """Every hidden test of ``test_hidden.py``, in its order, as (job, trusted check)."""
-    return [
-        GradedTest(
-            case.name,
-            case.points,
-            case.function,
-            Job(WORKERS_MODULE, case.worker, case.world_size, case.args, case.transport),
-            case.check,
-        )
-        for case in hidden.cases(seed)
-    ]
+    return graded_tests_from_cases(hidden.cases(seed), WORKERS_MODULE)
 
 
 def failure_message(test: GradedTest, error: dict, seconds: float) -> str:
     """The student-facing message for a job that did not return (``error`` as the harness wrote it)."""
-    job, text = test.job, str(error.get("text", ""))
-    if error.get("kind") == "timeout":
-        return hidden.timeout_failure(test.function, job.world_size, job.transport, seconds, text)
-    if error.get("kind") == "worker":
-        exc_type, summary = str(error.get("exc_type", "")), str(error.get("summary", ""))
-        return hidden.worker_failure(
-            test.function, job.world_size, job.transport, exc_type, error.get("rank", "?"), summary, text
-        )
-    return f"{test.function}: the test harness failed: {text}"
+    return ranked_failure_message(hidden, test, error, seconds)
 
 
 def import_failure(error: dict) -> str | None:
     """A one-line summary when a job failed because a student module could not be imported."""
-    text, exc_type = str(error.get("text", "")), str(error.get("exc_type", ""))
-    if error.get("kind") != "worker":
-        return None
-    if exc_type in ("ImportError", "ModuleNotFoundError", "SyntaxError") or "import_module(name)" in text:
-        return f"{exc_type or 'the process died'}: {str(error.get('summary', ''))[:200]}"
-    return None
+    return import_failure_of(error, "import_module(name)")
 
 
-#: ", expected <value>" up to a following " (N of M elements differ)" or the end of the line
-_EXPECTED_VALUE = re.compile(r", expected (?:(?! \(\d+ of )[^\n])*")
-
-
-def redact(message: str) -> str:
-    """What a student may see: the wrong value, not the expected one."""
-    return _EXPECTED_VALUE.sub(", which is wrong", message)
+#: what a student may see: the wrong value, not the expected one
+redact = redact_expected

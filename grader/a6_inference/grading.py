@@ -10,10 +10,13 @@ points.
 
 from __future__ import annotations
 
-import re
-
 from grader.forbidden import Rules
-from grader.plan import GradedTest, Job
+from grader.plan import (
+    GradedTest,
+    graded_tests_from_cases,
+    import_failure_of,
+    redact_expected,
+)
 
 from . import STUDENT_FILES, rules
 from . import test_hidden as hidden
@@ -81,16 +84,7 @@ def _first(check):
 
 def graded_tests(seed: int) -> list[GradedTest]:
     """Every hidden test of ``test_hidden.py``, in its order, as (job, trusted check)."""
-    return [
-        GradedTest(
-            case.name,
-            case.points,
-            case.function,
-            Job(WORKERS_MODULE, case.worker, case.world_size, case.args, case.transport),
-            _first(case.check),
-        )
-        for case in hidden.cases(seed)
-    ]
+    return graded_tests_from_cases(hidden.cases(seed), WORKERS_MODULE, wrap=_first)
 
 
 def failure_message(test: GradedTest, error: dict, seconds: float) -> str:
@@ -106,18 +100,8 @@ def failure_message(test: GradedTest, error: dict, seconds: float) -> str:
 
 def import_failure(error: dict) -> str | None:
     """A one-line summary when a job failed because the student's module could not be imported."""
-    text, exc_type = str(error.get("text", "")), str(error.get("exc_type", ""))
-    if error.get("kind") != "worker":
-        return None
-    if exc_type in ("ImportError", "ModuleNotFoundError", "SyntaxError") or "import_module(" in text:
-        return f"{exc_type or 'the process died'}: {str(error.get('summary', ''))[:200]}"
-    return None
+    return import_failure_of(error, "import_module(")
 
 
-#: ", expected <value>" up to a following " (N of M elements differ)" or the end of the line
-_EXPECTED_VALUE = re.compile(r", expected (?:(?! \(\d+ of )[^\n])*")
-
-
-def redact(message: str) -> str:
-    """What a student may see: the wrong value, not the expected one."""
-    return _EXPECTED_VALUE.sub(", which is wrong", message)
+#: what a student may see: the wrong value, not the expected one
+redact = redact_expected
