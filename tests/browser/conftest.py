@@ -156,7 +156,9 @@ def chromium_path() -> str:
     return path
 
 
-@pytest.fixture(scope="session")
+# The lab server and the browser live for one test module, not the session: `make test` runs the
+# rest of the suite after these tests, and its leak check (tests/conftest.py) must find neither.
+@pytest.fixture(scope="module")
 def lab(chromium_path, tmp_path_factory) -> Lab:
     tmp = tmp_path_factory.mktemp("lab")
     root = tmp / "course"
@@ -227,7 +229,7 @@ def _crashpad_handlers(home: Path) -> list[psutil.Process]:
     return found
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(chromium_path, lab, tmp_path_factory):
     from playwright.sync_api import sync_playwright
 
