@@ -51,7 +51,7 @@ def test_int8_error_is_at_most_half_a_step():
 
 
 # --- task 2 ---------------------------------------------------------------------------------------
-def test_pack_4bit_known_values_and_round_trip():
+def test_packing_known_values_and_round_trip():
     packed = pack_4bit(torch.tensor([3, 12, 7, 0]))
     assert packed.dtype == torch.uint8 and packed.tolist() == [60, 112]
     codes = torch.randint(0, 16, (50,), generator=torch.Generator().manual_seed(1))
@@ -154,7 +154,7 @@ def test_generate_with_and_without_cache_gives_the_same_tokens():
     assert torch.equal(cached, generate(model, prompt, 6, use_cache=False))
 
 
-def test_generate_with_cache_projects_each_token_once():
+def test_cached_generation_projects_each_token_once():
     model = TinyDecoder(vocab=13, d=8, n_heads=2, n_layers=1, positions=16)
     seen = []
     model.blocks[0].k.register_forward_hook(

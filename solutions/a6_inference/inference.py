@@ -330,7 +330,8 @@ def decoder_step(model, input_ids: torch.Tensor, past=None):
         cached = None if past is None else past[index]
         a, kv = attention_step(block.q, block.k, block.v, block.o, model.n_heads, block.norm1(x), cached)
         x = x + a
-        x = x + block.mlp(block.norm2(x))
+        mlp_in = block.norm2(x)
+        x = x + block.mlp(mlp_in)
         kvs.append(kv)
     return model.head(model.norm(x)), kvs
     ### END SOLUTION
