@@ -20,7 +20,6 @@ data the same way, with its end-of-text token). The tail that does not fill a bl
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -30,7 +29,7 @@ from tokenizers import Tokenizer
 
 from minidist.data.corpus import SPLITS, corpus_articles
 from minidist.data.mlm import pack_blocks
-from minidist.data.tokenizer import special_token_ids
+from minidist.data.tokenizer import special_token_ids, tokenizer_digest
 from minidist.glove.data import cache_dir
 
 __all__ = ["LM_DATA_VERSION", "lm_dataset", "pack_causal_blocks"]
@@ -51,7 +50,7 @@ def pack_causal_blocks(token_lists: Sequence[Sequence[int]], sep_id: int, seq_le
 
 def dataset_path(tok: Tokenizer, seq_len: int, split: str) -> Path:
     # The file name carries a digest of the tokenizer: another tokenizer never reads these ids.
-    digest = hashlib.sha256(tok.to_str().encode()).hexdigest()[:12]
+    digest = tokenizer_digest(tok)[:12]
     return cache_dir() / f"lm-{split}-seq{seq_len}-tok{digest}-v{LM_DATA_VERSION}.pt"
 
 

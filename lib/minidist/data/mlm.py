@@ -22,7 +22,6 @@ learning that only [MASK] positions matter (at fine-tuning time there is no [MAS
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 from tokenizers import Tokenizer
 
 from minidist.data.corpus import SPLITS, corpus_articles
-from minidist.data.tokenizer import special_token_ids
+from minidist.data.tokenizer import special_token_ids, tokenizer_digest
 from minidist.glove.data import cache_dir
 
 __all__ = ["IGNORE_INDEX", "MLM_DATA_VERSION", "MaskedBatch", "mask_tokens", "mlm_dataset", "pack_blocks"]
@@ -57,7 +56,7 @@ def pack_blocks(token_lists: Sequence[Sequence[int]], cls_id: int, sep_id: int, 
 
 def dataset_path(tok: Tokenizer, seq_len: int, split: str) -> Path:
     # The file name carries a digest of the tokenizer: another tokenizer never reads these ids.
-    digest = hashlib.sha256(tok.to_str().encode()).hexdigest()[:12]
+    digest = tokenizer_digest(tok)[:12]
     return cache_dir() / f"mlm-{split}-seq{seq_len}-tok{digest}-v{MLM_DATA_VERSION}.pt"
 
 

@@ -26,6 +26,7 @@ whose name carries the vocabulary size and ``TOKENIZER_VERSION``.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -37,6 +38,7 @@ from minidist.glove.data import cache_dir
 
 __all__ = [
     "SPECIAL_TOKENS",
+    "tokenizer_digest",
     "TOKENIZER_VERSION",
     "load_tokenizer",
     "special_token_ids",
@@ -99,6 +101,12 @@ def _with_bert_template(tok: Tokenizer) -> Tokenizer:
         special_tokens=[("[CLS]", ids["[CLS]"]), ("[SEP]", ids["[SEP]"])],
     )
     return tok
+
+
+def tokenizer_digest(tok: Tokenizer) -> str:
+    """sha256 of the tokenizer's JSON: cached token ids and trained weights record it, so that
+    another tokenizer never reads ids (or weights) made with this one."""
+    return hashlib.sha256(tok.to_str().encode()).hexdigest()
 
 
 def special_token_ids(tok: Tokenizer) -> dict[str, int]:

@@ -46,7 +46,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import fcntl
-import hashlib
 import json
 import math
 import os
@@ -222,7 +221,7 @@ LOCK_POLL_S = 1.0
 
 def _tokenizer_digest(tok: Tokenizer) -> str:
     """sha256 of the tokenizer's JSON: the ids the weights were trained on mean these tokens."""
-    return hashlib.sha256(tok.to_str().encode()).hexdigest()
+    return data.tokenizer_digest(tok)
 
 
 def _take_lock(lock, lock_path: Path, name: str) -> None:  # noqa: ANN001
