@@ -38,6 +38,7 @@ GRADER_MODULES = (
     "sandbox.py",
     "similarity.py",
     "student_comm.py",
+    "seeding.py",
     "wire.py",
 )
 

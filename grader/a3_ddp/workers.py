@@ -45,10 +45,12 @@ import minidist as md
 
 if __package__:  # under pytest: grader.a3_ddp.workers
     from .. import guard
+    from ..seeding import seeded_
     from . import rules
 else:  # in the grading sandbox, where these files are copied side by side
     import guard
     import rules
+    from seeding import seeded_
 
 #: bound now, before the student's module is imported (which might replace them)
 _register_hook = torch.Tensor.register_post_accumulate_grad_hook
@@ -231,7 +233,6 @@ def make_model(spec: dict, rank: int = 0) -> nn.Module:
     """The spec's model in double precision; rank r > 0 starts from other weights (seed + r):
     DDP's first broadcast must make them rank 0's."""
     kind = spec["model"]
-    torch.manual_seed(spec["seed"] + 7919 * rank)
     model = {
         "deep": lambda: Deep(),
         "frozen": lambda: Deep(frozen=True),
@@ -239,7 +240,7 @@ def make_model(spec: dict, rank: int = 0) -> nn.Module:
         "tied": lambda: Tied(),
         "mixed": lambda: Tied(mixed=True),
     }[kind]()
-    return model.to(DTYPE)
+    return seeded_(model.to(DTYPE), spec["seed"] + 7919 * rank)
 
 
 def make_batch(spec: dict, step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:

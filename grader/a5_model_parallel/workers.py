@@ -38,11 +38,13 @@ import minidist as md
 
 if __package__:  # under pytest: grader.a5_model_parallel.workers
     from .. import guard
+    from ..seeding import seeded_
     from ..student_comm import StudentComm
     from . import rules
 else:  # in the grading sandbox, where these files are copied side by side
     import guard
     import rules
+    from seeding import seeded_
     from student_comm import StudentComm
 
 COLLECTIVES = ("allgather", "allreduce", "broadcast", "reduce", "reduce_scatter")
@@ -147,8 +149,7 @@ class DenseMLP(nn.Module):
 
 
 def dense_mlp(spec: dict) -> DenseMLP:
-    torch.manual_seed(spec["seed"])
-    return DenseMLP(spec["d"], spec["ffn"])
+    return seeded_(DenseMLP(spec["d"], spec["ffn"]), spec["seed"])
 
 
 def mlp_input(spec: dict) -> torch.Tensor:
@@ -326,7 +327,6 @@ class Recording(StudentComm):
 
 def make_stages(spec: dict) -> list[nn.Module]:
     """p stages of different kinds (float32); the last ends in a Linear to ``classes``."""
-    torch.manual_seed(spec["seed"])
     w, p = spec["width"], spec["world_size"]
     stages = []
     for r in range(p):
@@ -336,7 +336,7 @@ def make_stages(spec: dict) -> list[nn.Module]:
             stages.append(nn.Sequential(nn.LayerNorm(w), nn.Linear(w, w), nn.Tanh()))
         else:
             stages.append(nn.Sequential(nn.Linear(w, w), nn.Tanh(), nn.Linear(w, spec["classes"])))
-    return stages
+    return [seeded_(stage, spec["seed"] * 101 + r) for r, stage in enumerate(stages)]
 
 
 def whole(stages: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
