@@ -66,6 +66,10 @@ UID_BASE = 64000  # sandbox user ids: UID_BASE + slot, one per parallel job
 #: cleanup kills every process of its ids, so two runs at once would kill each other's sandboxes
 SANDBOX_USERS_LOCK = Path("/run/minidist-grader-sandbox-users.lock")
 GID = 65534  # nogroup
+SANDBOX_MEMORY_BYTES = 6 * 2**30  # per sandbox cgroup: every page its processes touch, tmpfs too
+SANDBOX_CPU_SHARES = 1024  # equal CPU between busy sandboxes, whatever their process counts
+SANDBOX_MAX_PIDS = 512  # processes and threads (torch starts a few threads per rank)
+SANDBOX_WORKDIR_SIZE = "512m"  # the working directory's tmpfs (its pages count as memory too)
 
 
 def load_assignment(name: str):
@@ -183,8 +187,18 @@ class Grader:
         uid = UID_BASE + slot if self.isolated else None
         token = secrets.token_hex(8)
         workdir = self.work_root / token
+        from . import cgroups  # here, not at the top: grade.py's imports are shared with others
+
+        group, mounted = None, False
         try:
             workdir.mkdir(parents=True)
+            if self.isolated:  # its own disk (ENOSPC there only) and its own memory, CPU, pids
+                cgroups.mount_tmpfs(workdir, SANDBOX_WORKDIR_SIZE)
+                mounted = True
+                cgroups.remove_stale_once()
+                group = cgroups.SandboxGroup.create(
+                    f"{slot}-{token}", SANDBOX_MEMORY_BYTES, SANDBOX_CPU_SHARES, SANDBOX_MAX_PIDS
+                )
             for name, data in submission.files.items():
                 (workdir / name).write_bytes(data)
             for name in self.module.SANDBOX_FILES:
@@ -212,13 +226,24 @@ class Grader:
             command = [sys.executable, "-s", str(inside / "harness.py"), "spec.json", "results"]
             limits = sandbox.Limits(wall_seconds=self.args.timeout, cpu_seconds=int(self.args.timeout) + 60)
             isolation = sandbox.Isolation(self.isolated, uid, GID if uid is not None else None, self.hide)
-            run = sandbox.run(command, workdir, env, limits, isolation)
+            joining = contextlib.nullcontext()
+            if group is not None and hasattr(isolation, "cgroups"):  # the sandbox joins first thing
+                isolation.cgroups = group.paths
+            elif group is not None:  # it is forked from this thread while the thread is in it
+                joining = cgroups.forking_into(group)
+            with joining:
+                run = sandbox.run(command, workdir, env, limits, isolation)
+            oom = group is not None and group.oom_killed()
             results_dir = workdir / "results"
             if results_dir.is_symlink() or not results_dir.is_dir():  # replaced by the student's code
                 results_dir = workdir / "no-results-here"
             checked = [self._check(test, results_dir, f"t{index:03d}") for index, test in enumerate(tests)]
             probe = read_probe(results_dir)
         finally:
+            if group is not None:  # nothing it started outlives its grading
+                group.close()
+            if mounted:  # drops all the sandbox wrote, however deep, without walking it
+                cgroups.unmount(workdir)
             shutil.rmtree(workdir, ignore_errors=True)
         results = [result for result, _ in checked]
         status, reason = run.status, ""
@@ -241,6 +266,9 @@ class Grader:
             reason = f"stopped after {self.args.timeout:g} s"
         elif run.status == "crashed":
             reason = f"the sandboxed run exited with status {run.returncode}"
+        if oom:
+            limit = f"the sandbox's memory limit ({SANDBOX_MEMORY_BYTES / 2**30:g} GiB, tmpfs and shm too)"
+            reason = f"{reason}; a process was killed for exceeding {limit}".lstrip("; ")
         return report.Graded(submission.student, status, reason, results, run.seconds, digest, _output(run))
 
     def _check(self, test: GradedTest, folder: Path, job_id: str) -> tuple[TestResult, str | None]:
