@@ -53,6 +53,8 @@ from tqdm import tqdm
 
 from . import guard, intake, report, sandbox, similarity
 from .plan import GradedTest, TestResult
+from .text import clean as clean_text
+from .tree import remove_tree
 from .wire import WireError, read_probe, read_record
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -244,7 +246,7 @@ class Grader:
                 group.close()
             if mounted:  # drops all the sandbox wrote, however deep, without walking it
                 cgroups.unmount(workdir)
-            shutil.rmtree(workdir, ignore_errors=True)
+            remove_tree(workdir)  # iterative: any depth of directories the submission left
         results = [result for result, _ in checked]
         status, reason = run.status, ""
         import_errors = [error for _, error in checked if error is not None]
@@ -280,10 +282,15 @@ class Grader:
             result.message = str(error)
             return result, None
         result.seconds = record["seconds"]
-        if "error" in record:
-            message = self.module.failure_message(test, record["error"], self.args.test_timeout)
-            result.message = self.module.redact(message)
-            return result, self.module.import_failure(record["error"])
+        if "error" in record:  # the fields are the submission's: our formatting must survive any of them
+            try:
+                message = self.module.failure_message(test, record["error"], self.args.test_timeout)
+                result.message = self.module.redact(message)
+                import_error = self.module.import_failure(record["error"])
+            except Exception as error:  # noqa: BLE001
+                result.message = f"the test failed with a malformed error record ({type(error).__name__})"
+                return result, None
+            return result, (None if import_error is None else str(import_error))
         try:
             test.check(record["value"])
         except (Exception, pytest.fail.Exception) as error:  # pytest.fail's is a BaseException
@@ -307,6 +314,37 @@ def _output(run: sandbox.RunResult, shown: int = 1500) -> str:
             cut = f", the last {shown} characters" if total > shown else ""
             parts.append(f"--- {name}: {total} bytes{cut} ---\n{text[-shown:]}")
     return "\n".join(parts)
+
+
+def _finish(grader: Grader, submission: intake.Submission, future, out: Path) -> report.Graded:
+    """The graded submission, written to ``OUT/<id>/``; a failure of ours becomes its status ``error``.
+
+    Grading or writing one submission can fail on something it produced that we did not
+    foresee; that must cost this submission (status ``error``, with the reason, in the
+    gradebook), never the batch.
+    """
+    try:
+        graded = future.result()
+    except Exception as error:  # noqa: BLE001 -- any bug of ours, for this one submission
+        reason = clean_text(f"grading failed: {type(error).__name__}: {error}", multiline=False, limit=300)
+        graded = grader._all_failed(submission, "error", reason, "")
+    if not intake.usable_id(graded.student):
+        return graded  # no folder for a name that is not a safe file name (the gradebook has its row)
+    try:
+        report.write_student(out / graded.student, graded, grader.module.HINTS)
+    except Exception as error:  # noqa: BLE001
+        reason = f"writing the feedback failed: {type(error).__name__}: {error}"
+        reason = clean_text(reason, multiline=False, limit=300)
+        graded = grader._all_failed(submission, "error", reason, "")
+        with contextlib.suppress(Exception):
+            report.write_student(out / graded.student, graded, grader.module.HINTS)
+    return graded
+
+
+def _missing(student: str) -> dict:
+    """The gradebook's record of a submission the batch did not get to (it stopped early)."""
+    reason = "not graded: the batch stopped before this submission (run the grader again to resume)"
+    return {"score": 0, "max_score": 0, "tests": [], "extra_data": {"status": "error", "reason": reason}}
 
 
 def seed_key_for(out: Path, given: str | None) -> str:
@@ -362,29 +400,38 @@ def main(args: argparse.Namespace) -> int:
     todo, rows = [], {}
     for submission in submissions:
         digest = hashlib.sha256((submission.digest() + grader.config).encode()).hexdigest()
-        previous = None if args.force else report.read_student(out / submission.student)
+        usable = intake.usable_id(submission.student)  # else: no folder of its own in OUT_DIR
+        previous = report.read_student(out / submission.student) if usable and not args.force else None
         if previous and previous.get("extra_data", {}).get("input_sha256") == digest:
             rows[submission.student] = previous
         else:
             todo.append(submission)
     if rows:
         print(f"reusing {len(rows)} finished submission(s) (--force to grade them again)", file=sys.stderr)
-    with sandbox_users(grader.isolated), ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        futures = {pool.submit(grader.grade, s): s for s in todo}
-        bar = tqdm(as_completed(futures), total=len(futures), desc=f"grading {args.assignment}", unit="sub")
-        for future in bar:
-            graded = future.result()
-            report.write_student(out / graded.student, graded, grader.module.HINTS)
-            rows[graded.student] = report.results_json(graded)
-            bar.set_postfix_str(f"{graded.student}: {graded.score:g}/{graded.max_score:g} {graded.status}")
-    book = [
-        report.gradebook_row(
-            s.student, rows[s.student], grader.test_names, report.read_instructor(out / s.student)
-        )
-        for s in submissions
-    ]
-    report.write_gradebook(out / "gradebook.csv", book, grader.test_names)
-    shutil.rmtree(grader.work_root, ignore_errors=True)
+    try:
+        with sandbox_users(grader.isolated), ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            futures = {pool.submit(grader.grade, s): s for s in todo}
+            bar = tqdm(
+                as_completed(futures), total=len(futures), desc=f"grading {args.assignment}", unit="sub"
+            )
+            for future in bar:
+                graded = _finish(grader, futures[future], future, out)
+                rows[graded.student] = report.results_json(graded)
+                line = f"{graded.student}: {graded.score:g}/{graded.max_score:g} {graded.status}"
+                bar.set_postfix_str(clean_text(line, multiline=False, limit=80))
+    finally:  # whatever happened above, the gradebook holds every submission
+        book = [
+            report.gradebook_row(
+                s.student,
+                rows.get(s.student) or _missing(s.student),
+                grader.test_names,
+                report.read_instructor(out / s.student) if intake.usable_id(s.student) else {},
+            )
+            for s in submissions
+        ]
+        report.write_gradebook(out / "gradebook.csv", book, grader.test_names)
+        for problem in remove_tree(grader.work_root)[:5]:
+            print(f"warning: cleanup left {problem}", file=sys.stderr)
     print(report.summary_table(book, similarity.FLAG_AT))
     print(f"gradebook: {out / 'gradebook.csv'}")
     return 0

@@ -11,7 +11,11 @@ zip, a member with an absolute path or ``..``, a symlink, more than ``MAX_MEMBER
 ``MAX_TOTAL_BYTES`` uncompressed (zip bombs; sizes are counted while reading, not trusted
 from the header), a student file larger than ``MAX_FILE_BYTES``, a missing student file, a
 student file that is not UTF-8 text or has a syntax error (parsed, never run). Nothing is
-extracted to disk: the few files kept are read from the zip into memory.
+extracted to disk: the few files kept are read from the zip into memory. In a folder, sizes
+are checked (``stat``) before anything is read, and only the candidate student files are read
+at all, each with a bounded read: a 10 GB (sparse) file costs a ``stat``, not 10 GB of memory.
+An id that the grader's own output uses (``RESERVED_IDS``: ``gradebook.csv``, anything
+starting with a dot, such as ``.sandbox`` or ``.seed-key``) is refused too.
 
 Refused with the status ``forbidden`` (``check_forbidden``): a student file that uses what the
 assignment forbids -- the library's implementation of the task (``grader/forbidden.py``).
@@ -33,6 +37,8 @@ MAX_MEMBERS = 1000
 MAX_TOTAL_BYTES = 50 * 2**20
 MAX_FILE_BYTES = 2 * 2**20
 _STUDENT_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@+-]{0,99}$")
+#: names of what the grader writes in OUT_DIR beside the students' folders (compared case-blind)
+RESERVED_IDS = ("gradebook.csv", "gradebook.csv.tmp")
 
 
 class InvalidSubmission(Exception):
@@ -66,6 +72,11 @@ def check_forbidden(submission: Submission, rules: forbidden.Rules) -> None:
                 return
 
 
+def usable_id(student: str) -> bool:
+    """Whether ``student`` may name a folder of OUT_DIR: a plain safe file name, not one the grader uses."""
+    return bool(_STUDENT_ID.match(student)) and student.lower() not in RESERVED_IDS
+
+
 def discover(folder: Path) -> list[Path]:
     """The submissions in ``folder``: sub-folders and .zip files, sorted by student id."""
     if not folder.is_dir():
@@ -86,12 +97,21 @@ def load(path: Path, student_files: tuple[str, ...]) -> Submission:
             raise InvalidSubmission(
                 f"the name {submission.student!r} is not a usable student id (letters, digits, _ . @ + -)"
             )
+        if submission.student.lower() in RESERVED_IDS:
+            raise InvalidSubmission(
+                f"the name {submission.student!r} is reserved for the grader's output; rename the submission"
+            )
         if path.is_symlink():
             raise InvalidSubmission("the submission is a symlink")
-        members = _read_zip(path) if path.suffix == ".zip" and path.is_file() else _read_folder(path)
+        if path.suffix == ".zip" and path.is_file():
+            members = _read_zip(path)
+        else:
+            members = _read_folder(path, student_files)
         submission.files = _pick(members, student_files)
     except InvalidSubmission as error:
         submission.error = str(error)
+    except OSError as error:  # unreadable (permissions, vanished): this submission's problem only
+        submission.error = f"the submission cannot be read ({error.strerror or type(error).__name__})"
     return submission
 
 
@@ -139,7 +159,8 @@ def _safe_name(name: str) -> str:
     return path.as_posix()
 
 
-def _read_folder(folder: Path) -> dict[str, bytes | None]:
+def _read_folder(folder: Path, student_files: tuple[str, ...]) -> dict[str, bytes | None]:
+    """Member path -> content of the candidate student files (None for the rest), sizes checked first."""
     members: dict[str, bytes | None] = {}
     for count, path in enumerate(sorted(folder.rglob("*")), start=1):
         if count > MAX_MEMBERS:
@@ -147,12 +168,25 @@ def _read_folder(folder: Path) -> dict[str, bytes | None]:
         if path.is_symlink():
             raise InvalidSubmission(f"the submission contains a symlink ({path.relative_to(folder)})")
         if path.is_file():
-            members[path.relative_to(folder).as_posix()] = None  # read lazily in _pick
-    return {name: (folder / name).read_bytes() if _wanted(name) else None for name in members}
+            members[path.relative_to(folder).as_posix()] = None  # read below, when wanted
+    total = 0
+    for name in members:
+        if not _wanted(name, student_files):
+            continue
+        size = (folder / name).stat().st_size
+        if size > MAX_FILE_BYTES:  # before reading: a huge (sparse) file is never read
+            raise InvalidSubmission(f"{name} is larger than {MAX_FILE_BYTES >> 20} MiB")
+        total += size
+        if total > MAX_TOTAL_BYTES:
+            raise InvalidSubmission(f"the student files add up to more than {MAX_TOTAL_BYTES >> 20} MiB")
+        with open(folder / name, "rb") as file:
+            members[name] = file.read(MAX_FILE_BYTES + 1)  # bounded, should it grow after the stat
+    return members
 
 
-def _wanted(name: str) -> bool:
-    return name.endswith(".py") and name.count("/") <= 1
+def _wanted(name: str, student_files: tuple[str, ...]) -> bool:
+    """A student file at the top or one folder down (the only places ``_pick`` looks)."""
+    return name.count("/") <= 1 and name.rsplit("/", 1)[-1] in student_files
 
 
 def _pick(members: dict[str, bytes | None], student_files: tuple[str, ...]) -> dict[str, bytes]:

@@ -7,16 +7,24 @@ reason, and the hash of what was graded, which makes a finished submission reusa
 
 Nothing written here contains the hidden tests' source or expected values: messages come from
 the trusted checks, redacted by the assignment's ``redact``.
+
+Every string a submission can influence (messages, reasons, its output, its id) is sanitised
+here, where it is written (``grader/text.py``): in ``feedback.md`` it sits in a fenced code
+block it cannot close, in ``gradebook.csv`` it is one line that cannot start a formula, in the
+terminal summary it carries no escape sequence; every file is valid UTF-8, and the JSON files
+are strict JSON (no NaN or Infinity).
 """
 
 from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import text
 from .plan import TestResult
 
 STATUS_HELP = {
@@ -59,12 +67,17 @@ class Graded:
 
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
+    tmp.write_text(text, encoding="utf-8", errors="replace")  # the text is clean; never die on it
     os.replace(tmp, path)
 
 
+def _json(data: dict, indent: int | None = None) -> str:
+    """Strict JSON (no NaN / Infinity: non-finite numbers become null)."""
+    return json.dumps(text.finite(data), indent=indent, allow_nan=False) + "\n"
+
+
 def results_json(graded: Graded) -> dict:
-    return {
+    data = {
         "score": graded.score,
         "max_score": graded.max_score,
         "execution_time": round(graded.seconds, 1),
@@ -76,27 +89,28 @@ def results_json(graded: Graded) -> dict:
                 "score": t.points,
                 "max_score": t.max_points,
                 "status": "passed" if t.passed else "failed",
-                "output": t.message[:MAX_MESSAGE],
+                "output": text.clean(t.message, limit=MAX_MESSAGE),
                 "visibility": "visible",
             }
             for t in graded.tests
         ],
         "extra_data": {
             "status": graded.status,
-            "reason": graded.reason,
+            "reason": text.clean(graded.reason),
             "input_sha256": graded.digest,
             "tests_seconds": round(sum(t.seconds for t in graded.tests), 2),  # inside md.launch
         },
     }
+    return text.finite(data)
 
 
 def _top_output(graded: Graded) -> str:
-    text = f"status: {graded.status} ({STATUS_HELP.get(graded.status, '')})"
+    out = f"status: {graded.status} ({STATUS_HELP.get(graded.status, '')})"
     if graded.reason:
-        text += f"\nreason: {graded.reason}"
+        out += f"\nreason: {text.clean(graded.reason)}"
     if graded.output.strip():
-        text += "\n\nlast lines of the run's output:\n" + graded.output[-MAX_OUTPUT:]
-    return text
+        out += "\n\nlast lines of the run's output:\n" + text.clean(graded.output[-MAX_OUTPUT:])
+    return out
 
 
 def write_student(folder: Path, graded: Graded, hints: dict[str, str]) -> None:
@@ -107,9 +121,9 @@ def write_student(folder: Path, graded: Graded, hints: dict[str, str]) -> None:
     """
     folder.mkdir(parents=True, exist_ok=True)
     instructor = {"similarity": graded.similarity, "similar_to": graded.similar_to}
-    _write_atomic(folder / "instructor.json", json.dumps(instructor) + "\n")
+    _write_atomic(folder / "instructor.json", _json(instructor))
     _write_atomic(folder / "feedback.md", feedback_md(graded, hints))
-    _write_atomic(folder / "results.json", json.dumps(results_json(graded), indent=1) + "\n")
+    _write_atomic(folder / "results.json", _json(results_json(graded), indent=1))
 
 
 def read_instructor(folder: Path) -> dict:
@@ -131,13 +145,13 @@ def read_student(folder: Path) -> dict | None:
 
 def feedback_md(graded: Graded, hints: dict[str, str]) -> str:
     lines = [
-        f"# Feedback for {graded.student}",
+        f"# Feedback for {text.inline(graded.student)}",
         "",
         f"**Score: {graded.score:g} / {graded.max_score:g}** -- status `{graded.status}`: "
         f"{STATUS_HELP.get(graded.status, '')}.",
     ]
     if graded.reason:
-        lines += ["", f"Reason: {graded.reason}"]
+        lines += ["", "Reason:", "", *text.fenced(graded.reason)]
     if graded.status == "forbidden" and graded.instead:
         lines += ["", f"What you may use instead: {graded.instead}."]
     by_function: dict[str, list[TestResult]] = {}
@@ -159,7 +173,7 @@ def feedback_md(graded: Graded, hints: dict[str, str]) -> str:
             message = test.message.strip()
             if len(message) > 1200:
                 message = message[:1200] + " [...]"
-            lines += [f"### {test.name} ({test.max_points:g} points)", "", "```", message, "```", ""]
+            lines += [f"### {test.name} ({test.max_points:g} points)", "", *text.fenced(message), ""]
             if test.function in hints and test.function not in shown:
                 lines += [f"Hint: {hints[test.function]}", ""]
                 shown.add(test.function)
@@ -180,8 +194,9 @@ def write_gradebook(path: Path, rows: list[dict], test_names: list[str]) -> None
     library (``grader/similarity.py``); they are for the instructor and appear nowhere a student sees.
     """
     columns = ["id", "score", "max_score", "status", "reason", "similarity", "similar_to", *test_names]
+    rows = [{key: text.csv_cell(value) for key, value in row.items()} for row in rows]
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as file:
+    with open(tmp, "w", newline="", encoding="utf-8", errors="replace") as file:
         writer = csv.DictWriter(file, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         for row in rows:
@@ -190,24 +205,35 @@ def write_gradebook(path: Path, rows: list[dict], test_names: list[str]) -> None
 
 
 def gradebook_row(student: str, results: dict, test_names: list[str], instructor: dict | None = None) -> dict:
-    extra, instructor = results.get("extra_data", {}), instructor or {}
-    scores = {t.get("name"): t.get("score", 0) for t in results.get("tests", [])}
+    """The gradebook row from a ``results.json`` (tolerant: a damaged file from an earlier run gives 0s)."""
+    extra = results.get("extra_data") if isinstance(results.get("extra_data"), dict) else {}
+    instructor = instructor or {}
+    tests = results.get("tests") if isinstance(results.get("tests"), list) else []
+    scores = {t.get("name"): t.get("score", 0) for t in tests if isinstance(t, dict)}
     row = {
         "id": student,
-        "score": f"{results.get('score', 0):g}",
-        "max_score": f"{results.get('max_score', 0):g}",
-        "status": extra.get("status", ""),
-        "reason": extra.get("reason", "")[:200],
-        "similarity": f"{instructor.get('similarity', 0):g}",
-        "similar_to": instructor.get("similar_to", ""),
+        "score": f"{_num(results.get('score')):g}",
+        "max_score": f"{_num(results.get('max_score')):g}",
+        "status": text.clean(extra.get("status", ""), multiline=False, limit=40),
+        "reason": text.clean(extra.get("reason", ""), multiline=False, limit=200),
+        "similarity": f"{_num(instructor.get('similarity')):g}",
+        "similar_to": text.clean(instructor.get("similar_to", ""), multiline=False, limit=200),
     }
     for name in test_names:
-        row[name] = f"{scores.get(name, 0):g}"
+        row[name] = f"{_num(scores.get(name)):g}"
     return row
+
+
+def _num(value) -> float:
+    """A finite number from our own (possibly damaged) JSON; 0 for anything else."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return 0.0
 
 
 def summary_table(rows: list[dict], flag_at: float = 1.01) -> str:
     """The batch at a glance, and the submissions whose similarity to the library is ``>= flag_at``."""
+    rows = [{key: text.clean(value, multiline=False) for key, value in row.items()} for row in rows]
     width = max([len(r["id"]) for r in rows] + [7])
     lines = [f"{'student':<{width}}  {'score':>13}  status", "-" * (width + 32)]
     flagged = []

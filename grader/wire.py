@@ -5,12 +5,21 @@ Everything here assumes the files are hostile: JSON is size-capped before it is 
 unpickled), only plain file names inside the results folder are opened, only a few dtypes
 are accepted, and anything unexpected becomes a ``WireError`` -- which fails the one test
 whose record it is, not the grader.
+
+Bytes are capped before they are read: a record may reference the same ``.npy`` many times,
+so the decoded tensors of one record (``MAX_RECORD_BYTES``) and of all the records read from
+one results folder, i.e. one submission (``MAX_SUBMISSION_BYTES``), are counted from each
+file's size *before* it is loaded. JSON is parsed strictly enough to stay cheap: an integer
+literal of more than ``MAX_INT_DIGITS`` digits is refused (``NaN`` / ``Infinity`` are read as
+floats: they are data, which the check then judges).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +27,9 @@ import torch
 
 MAX_JSON_BYTES = 16 * 2**20
 MAX_NPY_BYTES = 256 * 2**20
+MAX_RECORD_BYTES = 256 * 2**20  # decoded tensor bytes of one record (one test)
+MAX_SUBMISSION_BYTES = 1 * 2**30  # decoded tensor bytes of every record of one results folder
+MAX_INT_DIGITS = 40
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}\.npy$")
 DTYPES = {
     "float32": (np.float32, None),
@@ -37,6 +49,43 @@ class WireError(Exception):
     """A record that is missing, malformed or not what the harness writes."""
 
 
+#: decoded bytes so far per results folder (each run has its own, randomly named, folder)
+_spent: dict[str, int] = {}
+_spent_lock = threading.Lock()
+
+
+class _Budget:
+    """The bytes one record may still decode: its own cap and what is left of its folder's."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.record = str(folder), 0
+
+    def take(self, size: int, name: str) -> None:
+        """Count ``size`` bytes against both caps before they are read; WireError when over."""
+        if self.record + size > MAX_RECORD_BYTES:
+            cap = MAX_RECORD_BYTES >> 20
+            raise WireError(f"the result's tensors add up to more than {cap} MiB (at {name})")
+        with _spent_lock:
+            spent = _spent.get(self.folder, 0)
+            if spent + size > MAX_SUBMISSION_BYTES:
+                raise WireError(
+                    f"the results of this submission add up to more than {MAX_SUBMISSION_BYTES >> 20} MiB"
+                )
+            _spent[self.folder] = spent + size
+        self.record += size
+
+
+def _int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise WireError(f"the result holds an integer of more than {MAX_INT_DIGITS} digits")
+    return int(digits)
+
+
+def loads(text: str):
+    """``json.loads`` with huge integer literals refused (WireError) and NaN / Infinity as floats."""
+    return json.loads(text, parse_int=_int)
+
+
 def read_record(folder: Path, job_id: str) -> dict:
     """``{"value": ...}`` (tensors decoded) or ``{"error": {...}}``; WireError when unreadable."""
     path = folder / f"{job_id}.json"
@@ -45,16 +94,17 @@ def read_record(folder: Path, job_id: str) -> dict:
     if path.stat().st_size > MAX_JSON_BYTES:
         raise WireError("the result record is too large")
     try:
-        record = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as error:
-        raise WireError(f"the result record is not valid JSON: {error}") from None
+        record = loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError) as error:
+        raise WireError(f"the result record is not valid JSON: {type(error).__name__}") from None
     if not isinstance(record, dict) or ("value" in record) == ("error" in record):
         raise WireError("the result record has neither a value nor an error")
     if "error" in record:
         if not isinstance(record["error"], dict):
             raise WireError("malformed error record")
         return {"error": record["error"], "seconds": _number(record.get("seconds"))}
-    return {"value": _decode(record["value"], folder, depth=0), "seconds": _number(record.get("seconds"))}
+    value = _decode(record["value"], folder, depth=0, budget=_Budget(folder))
+    return {"value": value, "seconds": _number(record.get("seconds"))}
 
 
 def read_probe(folder: Path) -> dict | None:
@@ -63,8 +113,8 @@ def read_probe(folder: Path) -> dict | None:
     if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_JSON_BYTES:
         return None
     try:
-        probe = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError):
+        probe = loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError, WireError):
         return None
     if not isinstance(probe, dict):
         return None
@@ -77,32 +127,37 @@ def read_probe(folder: Path) -> dict | None:
 
 
 def _number(value) -> float:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+    """A duration from the record: a finite, non-negative float (0.0 when it is anything else)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return 0.0
+    number = float(value)
+    return number if math.isfinite(number) and number >= 0 else 0.0
 
 
-def _decode(value, folder: Path, depth: int):
+def _decode(value, folder: Path, depth: int, budget: _Budget):
     if depth > 20:
         raise WireError("the result is nested too deeply")
     if isinstance(value, list):
-        return [_decode(item, folder, depth + 1) for item in value]
+        return [_decode(item, folder, depth + 1, budget) for item in value]
     if isinstance(value, dict):
         if "$tensor" in value:
-            return _tensor(value, folder)
+            return _tensor(value, folder, budget)
         if "$unsupported" in value:
             raise WireError(
                 f"a worker returned a {str(value['$unsupported'])[:40]}, not a tensor or plain data"
             )
-        return {key: _decode(item, folder, depth + 1) for key, item in value.items()}
+        return {key: _decode(item, folder, depth + 1, budget) for key, item in value.items()}
     return value
 
 
-def _tensor(entry: dict, folder: Path) -> torch.Tensor:
+def _tensor(entry: dict, folder: Path, budget: _Budget) -> torch.Tensor:
     name, dtype = entry.get("$tensor"), entry.get("dtype")
     if not isinstance(name, str) or not _NAME.match(name) or dtype not in DTYPES:
         raise WireError("malformed tensor entry")
     path = folder / name
     if path.is_symlink() or not path.is_file() or path.stat().st_size > MAX_NPY_BYTES:
         raise WireError(f"tensor file {name} is missing or too large")
+    budget.take(path.stat().st_size, name)
     try:
         array = np.load(path, allow_pickle=False)
     except (ValueError, OSError, EOFError) as error:
