@@ -113,10 +113,13 @@ class Grader:
         self.name, self.args, self.out, self.seed_key = name, args, out, seed_key
         self.module = load_assignment(name)
         self.isolated = sandbox.can_isolate() and not args.no_isolation
-        if not self.isolated:
+        protections = sandbox.probe_protections()  # each one tried, in a forked child
+        off = ["isolation (--no-isolation)"] if args.no_isolation else []
+        off += [name for name, works in protections.items() if not works]
+        if off:
+            how = "isolated in part" if self.isolated else "limited, not isolated, under the grader's user"
             print(
-                "warning: not root, or no mount namespaces here: submissions run under the grader's own "
-                "user, limited but not isolated (grader/README.md)",
+                f"warning: protections OFF: {', '.join(off)}; submissions {how} (grader/README.md)",
                 file=sys.stderr,
             )
         self.work_root = out / ".sandbox"
@@ -348,10 +351,13 @@ def _missing(student: str) -> dict:
 
 
 def seed_key_for(out: Path, given: str | None) -> str:
+    """The key the input seeds derive from: ``given`` (``--seed-key``, or the content of
+    ``--seed-key-file``), else ``OUT/.seed-key`` (created once, readable by root only)."""
     if given:
         return given
     path = out / ".seed-key"
     if not path.exists():
+        path.touch(mode=0o600)
         path.write_text(secrets.token_hex(16))
     return path.read_text().strip()
 
@@ -452,7 +458,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tests", action="append", metavar="PATTERN", help="grade only tests matching (glob)"
     )
     parser.add_argument("--force", action="store_true", help="grade again what is already graded")
-    parser.add_argument("--seed-key", default=None, help="secret the input seeds derive from")
+
+    class SeedKeyFile(argparse.Action):
+        """``--seed-key-file FILE``: the key is FILE's content (stored as ``seed_key``)."""
+
+        def __call__(self, parser, namespace, path, option_string=None):
+            try:
+                mode = os.stat(path).st_mode
+                key = Path(path).read_text().strip()
+            except OSError as error:
+                parser.error(f"--seed-key-file {path}: {error.strerror}")
+            if not key:
+                parser.error(f"--seed-key-file {path} is empty: write the key into it")
+            if mode & 0o077:
+                print(
+                    f"warning: {path} is readable by group or others: chmod 600 {path}",
+                    file=sys.stderr,
+                )
+            namespace.seed_key = key
+
+    keys = parser.add_mutually_exclusive_group()
+    keys.add_argument(
+        "--seed-key",
+        default=None,
+        help="secret the input seeds derive from (visible in the process list to other users of "
+        "this machine, not to sandboxes: prefer --seed-key-file)",
+    )
+    keys.add_argument(
+        "--seed-key-file",
+        metavar="FILE",
+        action=SeedKeyFile,
+        dest="seed_key",
+        help="read the seed key from FILE (make it readable by root only: chmod 600)",
+    )
     parser.add_argument(
         "--no-isolation", action="store_true", help="as root: no private mounts or user (debugging only)"
     )

@@ -59,8 +59,11 @@ set -uo pipefail
 cd /autograder/source
 rm -rf /autograder/work && mkdir -p /autograder/work/submissions /autograder/results
 cp -r /autograder/submission /autograder/work/submissions/submission
+# The seed key goes through a file only root can read, never the command line (/proc/*/cmdline).
+key_file=/autograder/work/seed-key
+(umask 077 && printf '%s' "${{GRADER_SEED_KEY:-gradescope}}" > "$key_file")
 /autograder/venv/bin/python -m grader grade {assignment} /autograder/work/submissions \\
-    --out /autograder/work/out --timeout {timeout:g} --seed-key "${{GRADER_SEED_KEY:-gradescope}}"
+    --out /autograder/work/out --timeout {timeout:g} --seed-key-file "$key_file"
 cp /autograder/work/out/submission/results.json /autograder/results/results.json
 """
 

@@ -12,6 +12,16 @@ What the child gets (``run``):
     ``/tmp``, ``/var/tmp`` and ``/dev/shm`` are fresh private tmpfs (nothing is left in the
     real ones: they vanish with the last process of the namespace);
   - its working directory, bind-mounted at ``/var/tmp/work`` (with ``/tmp``, its only writable places);
+  - its own network namespace (only a loopback interface, up: the transports' 127.0.0.1
+    ports are reachable from inside the sandbox only), IPC namespace (System V shared memory,
+    semaphores and message queues vanish with it) and PID namespace (a fresh ``/proc`` shows
+    only the sandbox's own processes: no other sandbox's ``/proc/PID/root``, no grader
+    command line); a minimal init (PID 1) reaps its orphans, and when it ends the kernel kills
+    everything left in the namespace;
+  - a private size-capped tmpfs (``nosuid,nodev``) over every other world-writable directory
+    (``world_writable_dirs``), and every other mount of the namespace remounted read-only:
+    nothing written by a sandbox outlives it or reaches another one;
+  - ``no_new_privs``: a setuid program cannot raise its privileges;
   - an unprivileged user id of its own (``uid``, one per parallel slot, never shared by two
     running submissions), so it can read or signal no other submission, and the grader can
     find and kill every process it started, even one that left the session.
@@ -27,10 +37,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import fcntl
 import json
 import os
+import re
 import resource
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -40,8 +54,15 @@ from pathlib import Path
 
 import psutil
 
-CLONE_NEWNS = 0x00020000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 4096, 16384, 1 << 18
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x08000000, 0x20000000, 0x40000000
+NAMESPACES = {"network": CLONE_NEWNET, "ipc": CLONE_NEWIPC, "pid": CLONE_NEWPID}
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
+MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
+PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_GET_NO_NEW_PRIVS = 1, 38, 39
+# Private directories of every sandbox (fresh tmpfs); any other world-writable one found by
+# ``world_writable_dirs`` gets a small tmpfs of its own.
+PRIVATE = ("/tmp", "/var/tmp", "/dev/shm")
+SCANNED = ("/", "/run", "/var", "/dev")  # top levels searched for world-writable directories
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
@@ -94,6 +115,111 @@ def can_isolate() -> bool:
     return os.waitstatus_to_exitcode(status) == 0
 
 
+def _probe(flag: int) -> bool:
+    """Whether a forked child may ``unshare(flag)`` (a fork: the grader itself stays as it is)."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        os._exit(0 if _libc.unshare(flag) == 0 else 1)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+def probe_protections() -> dict[str, bool]:
+    """Which protections work here, each found by trying it (``Grader`` names those that are off).
+
+    Keys: ``root`` (private user ids, mounts), ``mount namespace``, ``network namespace``,
+    ``ipc namespace``, ``pid namespace``, ``no_new_privs``.
+    """
+    root = hasattr(os, "geteuid") and os.geteuid() == 0
+    found = {"root": root, "mount namespace": root and _probe(CLONE_NEWNS)}
+    for name, flag in NAMESPACES.items():
+        found[f"{name} namespace"] = root and _probe(flag)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        ok = (
+            _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0
+            and _libc.prctl(PR_GET_NO_NEW_PRIVS, 0, 0, 0, 0) == 1
+        )
+        os._exit(0 if ok else 1)
+    found["no_new_privs"] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    return found
+
+
+def world_writable_dirs() -> list[str]:
+    """World-writable directories a sandbox could share with another (or leave data in).
+
+    Scanned: the entries of ``SCANNED`` (``/``, ``/run``, ``/var``, ``/dev``) one level deep,
+    and every mount point with its direct subdirectories (symbolic links resolved, e.g.
+    ``/var/lock`` -> ``/run/lock``); ``PRIVATE`` and ``/proc``, ``/sys`` are left out. A
+    world-writable directory deeper than that on a writable mount is not found -- but every
+    mount except the sandbox's own tmpfs is remounted read-only, so it cannot be written.
+    """
+    candidates = set()
+    for top in [*SCANNED, *_mount_points()]:
+        if top.startswith(("/proc", "/sys")) or not os.path.isdir(top):
+            continue
+        candidates.add(top)
+        try:
+            with os.scandir(top) as entries:
+                candidates.update(os.path.join(top, e.name) for e in entries)
+        except OSError:
+            continue
+    found = set()
+    for path in candidates:
+        real = os.path.realpath(path)
+        if real.startswith(("/proc", "/sys")) or any(real == p or real.startswith(p + "/") for p in PRIVATE):
+            continue
+        try:
+            st = os.stat(real)
+        except OSError:
+            continue
+        if os.path.isdir(real) and st.st_mode & 0o002:
+            found.add(real)
+    return sorted(found)
+
+
+def _mount_points() -> list[str]:
+    """Mount points of this mount namespace, from ``/proc/self/mountinfo`` (``\\040`` decoded)."""
+    points = []
+    with open("/proc/self/mountinfo") as file:
+        for line in file:
+            field = line.split()[4]
+            points.append(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field))
+    return points
+
+
+def _loopback_up() -> None:
+    """Bring ``lo`` up in a new network namespace (it starts down): md.launch uses 127.0.0.1."""
+    SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(sock, SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
+
+
+def _read_only_except(writable: set[str]) -> None:
+    """Remount every mount of the namespace read-only but the ``writable`` ones and ``/proc``.
+
+    A bind remount keeps the mount's other flags (nosuid, nodev, noexec) -- they are passed
+    again, as the kernel requires. Device nodes on a read-only ``/dev`` stay usable. A mount
+    hidden under another one (the real ``/tmp``) cannot be reached by path; the top one is.
+    """
+    flag_of = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC}
+    with open("/proc/self/mountinfo") as file:
+        lines = file.readlines()
+    for line in lines:
+        fields = line.split()
+        point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        if point in writable or point == "/proc" or point.startswith("/proc/"):
+            continue
+        flags = MS_BIND | MS_REMOUNT | MS_RDONLY
+        for option in fields[5].split(","):
+            flags |= flag_of.get(option, 0)
+        # A mount covered by a later one at the same place, or below a covered one, answers
+        # EINVAL / ENOENT: it is unreachable anyway.
+        _libc.mount(None, point.encode(), None, flags, None)
+
+
 def _mount(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None) -> None:
     enc = lambda s: None if s is None else s.encode()  # noqa: E731
     if _libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)) != 0:
@@ -106,13 +232,26 @@ def enter(workdir: str, limits: Limits, isolation: Isolation) -> None:
 
     It runs in a fresh interpreter (``python sandbox.py CONFIG -- COMMAND``), not in a
     ``preexec_fn``: forking a multi-threaded grader and running Python before exec can deadlock.
+
+    Isolated, this process unshares the namespaces, mounts, then forks: the child is PID 1 of
+    the new PID namespace (``_init``), which returns here only in *its* child, the process that
+    execs the command; this process stays outside, waits for init and exits with its status.
     """
     os.umask(0o022)  # the grader's own umask (077) would make the mount points unreachable
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # die with the grader's thread
     if isolation.enabled:
+        # Before unshare(CLONE_NEWPID): after it, this process may start no thread (EINVAL),
+        # and importing minidist starts OpenBLAS's.
+        held = _needed_under_tmp()
+        needed = [workdir, sys.prefix, sys.base_prefix, *held]
         if _libc.unshare(CLONE_NEWNS) != 0:
             raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
+        joined = {flag for flag in NAMESPACES.values() if _libc.unshare(flag) == 0}
+        if CLONE_NEWNET in joined:  # each namespace where the kernel allows it (reported at start)
+            _loopback_up()
         _mount(None, "/", None, MS_REC | MS_PRIVATE)
-        kept = _hold(_needed_under_tmp())  # the venv and minidist, when the repo is under /tmp
+        shared = [p for p in world_writable_dirs() if not any(_within(n, p) for n in needed)]
+        kept = _hold(held)  # the venv and minidist, when the repo is under /tmp
         # A fresh tmpfs replaces /var/tmp (or /tmp), and the working directory is bound into
         # it *before* anything is hidden: the output folder that holds it may be hidden next.
         work = work_mount(workdir)
@@ -128,23 +267,89 @@ def enter(workdir: str, limits: Limits, isolation: Isolation) -> None:
             if path != stage and os.path.isdir(path):
                 _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=256m,mode=1777")
         _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={limits.shm_bytes},mode=1777")
+        for path in shared:
+            _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=16m,mode=1777")
         for holder, path in kept:  # put them back where the interpreter expects them
             os.makedirs(path, 0o755, exist_ok=True)
             _mount(holder, path, None, MS_BIND | MS_REC)
+        writable = {"/tmp", "/var/tmp", "/dev/shm", stage, work, *shared}
+        if CLONE_NEWPID in joined:
+            _init(writable)  # returns only in the process that execs the command
+        else:
+            _read_only_except(writable)
         os.chdir(work)
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_seconds, limits.cpu_seconds))
     resource.setrlimit(resource.RLIMIT_FSIZE, (limits.max_file_bytes, limits.max_file_bytes))
     resource.setrlimit(resource.RLIMIT_AS, (limits.address_space_bytes, limits.address_space_bytes))
     if isolation.enabled and isolation.uid is not None:
-        resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
-        os.setgroups([])
-        os.setgid(isolation.gid)
-        os.setuid(isolation.uid)
-        if os.getuid() == 0 or os.geteuid() == 0:
-            raise OSError("could not drop root privileges")
-    PR_SET_PDEATHSIG = 1  # after setuid, which clears it: die with the grader's thread
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        _drop(isolation, limits)
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
+    if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # setuid binaries no longer elevate
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+
+
+def _drop(isolation: Isolation, limits: Limits) -> None:
+    """Become the sandbox's own unprivileged user (and check that root is gone for good)."""
+    resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
+    os.setgroups([])
+    os.setgid(isolation.gid)
+    os.setuid(isolation.uid)
+    if os.getuid() == 0 or os.geteuid() == 0:
+        raise OSError("could not drop root privileges")
+
+
+def _within(path: str, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or below it (both resolved): such a folder is not covered
+    by a tmpfs (it holds what the sandbox needs); it becomes read-only with its mount."""
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def _init(writable: set[str]) -> None:
+    """Fork PID 1 of the new PID namespace; this (outer) process waits for it and exits with its code.
+
+    Init mounts a fresh ``/proc`` (only the namespace's processes), makes everything but
+    ``writable`` read-only, forks the process that returns to ``enter`` (and execs the
+    command) and reaps: every orphan of the namespace is its child. Init stays root: the
+    sandbox user can neither signal nor trace it (and the kernel ignores signals sent to a
+    namespace's init from inside). When the command ends, init reports its wait status to
+    the outer process through a pipe and exits; the kernel then kills the rest.
+    """
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid != 0:  # outer: in the host PID namespace, the process the grader's Popen started
+        os.close(write)
+        _, status = os.waitpid(pid, 0)
+        reported = os.read(read, 16)
+        if reported:  # the command's own wait status, as init saw it
+            status = int(reported)
+        code = os.waitstatus_to_exitcode(status)
+        if code < 0:  # killed by a signal: end the same way, so Popen's returncode says which
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        os._exit(code & 0xFF)
+    os.close(read)
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the outer process killed: all die
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    _read_only_except(writable)
+    command = os.fork()
+    if command == 0:
+        os.close(write)
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    status = None
+    while status is None:
+        try:
+            done, how = os.waitpid(-1, 0)
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+        if done == command:
+            status = how
+    os.write(write, str(status if status is not None else 1 << 8).encode())
+    os._exit(0)
 
 
 def _needed_under_tmp() -> list[str]:
