@@ -39,6 +39,9 @@ GRADER_MODULES = (
     "similarity.py",
     "student_comm.py",
     "seeding.py",
+    "text.py",
+    "tree.py",
+    "cgroups.py",
     "wire.py",
 )
 
