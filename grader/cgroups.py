@@ -249,13 +249,6 @@ def unmount(path: str | os.PathLike) -> None:
         raise OSError(errno, f"unmounting {path}: {os.strerror(errno)}")
 
 
-def is_mount_point(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is listed as a mount point in /proc/self/mountinfo."""
-    target = os.path.realpath(path)
-    with open("/proc/self/mountinfo") as info:
-        return any(line.split()[4].replace("\\040", " ") == target for line in info)
-
-
 _stale_lock = threading.Lock()
 _stale_done = False
 

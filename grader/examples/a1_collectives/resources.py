@@ -30,6 +30,8 @@ import os as _os
 import subprocess as _subprocess
 import sys as _sys
 
+_QUIET = _subprocess.DEVNULL  # not the harness's pipes: its reader would wait for them to close
+
 def _first_time(name):
     try:
         _os.close(_os.open(_os.path.join(_os.environ.get("HOME", "."), name), _os.O_CREAT | _os.O_EXCL))
@@ -41,7 +43,9 @@ def _first_time(name):
 CPU_HOG = """
 if _first_time(".cpu_hog"):
     for _ in range(150):
-        _subprocess.Popen(["setsid", "sh", "-c", "while :; do :; done"], stdin=_subprocess.DEVNULL)
+        _subprocess.Popen(
+            ["setsid", "sh", "-c", "while :; do :; done"], stdin=_QUIET, stdout=_QUIET, stderr=_QUIET
+        )
 """
 
 DISK_FILL = """
@@ -66,7 +70,9 @@ if _first_time(".mem_hog"):  # bytearray() alone maps zero pages: each page is w
         "for i in range(0, len(b), 4096): b[i] = 1\\ntime.sleep(600)"
     )
     for _ in range(16):
-        _subprocess.Popen([_sys.executable, "-c", _touch], stdin=_subprocess.DEVNULL, start_new_session=True)
+        _subprocess.Popen(
+            [_sys.executable, "-c", _touch], stdin=_QUIET, stdout=_QUIET, stderr=_QUIET, start_new_session=1
+        )
 """
 
 #: name -> snippet run once per sandbox
