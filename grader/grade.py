@@ -116,6 +116,10 @@ class Grader:
         protections = sandbox.probe_protections()  # each one tried, in a forked child
         off = ["isolation (--no-isolation)"] if args.no_isolation else []
         off += [name for name, works in protections.items() if not works]
+        if protections.get("root"):
+            from . import cgroups
+
+            off += [f"cgroup {name}" for name, works in cgroups.probe().items() if not works]
         if off:
             how = "isolated in part" if self.isolated else "limited, not isolated, under the grader's user"
             print(
