@@ -24,13 +24,15 @@ committed.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import io
 import stat
 import textwrap
 import zipfile
 from pathlib import Path
+
+from grader.examples import common
+from grader.examples.common import write, zip_bytes
 
 ROOT = Path(__file__).resolve().parents[3]
 SOLUTION = ROOT / "solutions" / "a1_collectives" / "collectives.py"
@@ -378,29 +380,6 @@ BAD = {
 }
 
 
-def zip_bytes(files: dict[str, bytes]) -> bytes:
-    buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
-        for name, data in sorted(files.items()):
-            archive.writestr(name, data)
-    return buffer.getvalue()
-
-
-def write(out: Path, submissions: dict[str, dict[str, bytes] | bytes]) -> list[Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
-    for name, content in submissions.items():
-        target = out / name
-        if isinstance(content, bytes):
-            target.write_bytes(content)
-        else:
-            for file, data in content.items():
-                (target / file).parent.mkdir(parents=True, exist_ok=True)
-                (target / file).write_bytes(data)
-        written.append(target)
-    return written
-
-
 def build_dict(bad: bool = False) -> dict[str, dict[str, bytes] | bytes]:
     solution, stub = SOLUTION.read_text(), STUB.read_text()
     submissions = realistic(solution, stub)
@@ -415,12 +394,7 @@ def build(out: Path, bad: bool = False) -> list[Path]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--bad", action="store_true", help="also the hostile and broken cases")
-    args = parser.parse_args()
-    written = build(args.out, bad=args.bad)
-    print(f"wrote {len(written)} submissions into {args.out}")
+    common.main(__doc__, build, bad=True)
 
 
 if __name__ == "__main__":

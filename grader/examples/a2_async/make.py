@@ -23,10 +23,11 @@ assignment when it changes); nothing here is committed but this script.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from grader.examples.a1_collectives.make import function_source, replace_function, write
+from grader.examples import common
+from grader.examples.a1_collectives.make import function_source, replace_function
+from grader.examples.common import edit, write
 
 ROOT = Path(__file__).resolve().parents[3]
 SOLUTION = ROOT / "solutions" / "a2_async" / "async_ps.py"
@@ -55,13 +56,6 @@ def hogwild_worker(comm, order, table, gradsq, config):
     history, _ = bench_glove.t.hogwild.hogwild_worker(comm, order, table, gradsq, config, False)
     return [loss for _, loss in history]
 """
-
-
-def edit(source: str, old: str, new: str) -> str:
-    """``source`` with ``old`` (which must occur exactly once) replaced by ``new``."""
-    if source.count(old) != 1:
-        raise ValueError(f"the solution changed: {old!r} occurs {source.count(old)} times")
-    return source.replace(old, new)
 
 
 def build_dict() -> dict[str, dict[str, bytes]]:
@@ -99,11 +93,7 @@ def build(out: Path) -> list[Path]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path)
-    args = parser.parse_args()
-    written = build(args.out)
-    print(f"wrote {len(written)} submissions into {args.out}")
+    common.main(__doc__, build)
 
 
 if __name__ == "__main__":

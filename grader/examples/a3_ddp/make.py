@@ -33,14 +33,14 @@ but this script.
 
 from __future__ import annotations
 
-import argparse
 import warnings
 from pathlib import Path
 
 import pytest
 
 from grader import forbidden
-from grader.examples.a1_collectives.make import write
+from grader.examples import common
+from grader.examples.common import edit, write
 
 with warnings.catch_warnings():  # `points` is registered by grader/a3_ddp/conftest.py only
     warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
@@ -126,13 +126,6 @@ time.perf_counter_ns = _clock
 """
 
 
-def edit(source: str, old: str, new: str) -> str:
-    """``source`` with ``old`` (which must occur exactly once) replaced by ``new``."""
-    if source.count(old) != 1:
-        raise ValueError(f"the solution changed: {old!r} occurs {source.count(old)} times")
-    return source.replace(old, new)
-
-
 def build_dict() -> dict[str, dict[str, bytes]]:
     solution = SOLUTION.read_text()
     hook_start = "        if not self._synchronizing:\n            return\n"
@@ -211,11 +204,7 @@ def build(out: Path) -> list[Path]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path)
-    args = parser.parse_args()
-    written = build(args.out)
-    print(f"wrote {len(written)} submissions into {args.out}")
+    common.main(__doc__, build)
 
 
 if __name__ == "__main__":

@@ -33,13 +33,13 @@ but this script.
 
 from __future__ import annotations
 
-import argparse
 import warnings
 from pathlib import Path
 
 import pytest
 
-from grader.examples.a1_collectives.make import write
+from grader.examples import common
+from grader.examples.common import edit, write
 
 with warnings.catch_warnings():  # `points` is registered by grader/a5_model_parallel/conftest.py only
     warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
@@ -110,13 +110,6 @@ def expected_score(student: str, tests: list[str] | None = None) -> float:
 
 #: student -> (status, score on every hidden test)
 EXPECTED = {student: (status, expected_score(student)) for student, (status, _) in LOST.items()}
-
-
-def edit(source: str, old: str, new: str) -> str:
-    """``source`` with ``old`` (which must occur exactly once) replaced by ``new``."""
-    if source.count(old) != 1:
-        raise ValueError(f"the solution changed: {old!r} occurs {source.count(old)} times")
-    return source.replace(old, new)
 
 
 def replace_region(source: str, begin: str, body: str) -> str:
@@ -298,11 +291,7 @@ def build(out: Path) -> list[Path]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path)
-    args = parser.parse_args()
-    written = build(args.out)
-    print(f"wrote {len(written)} submissions into {args.out}")
+    common.main(__doc__, build)
 
 
 if __name__ == "__main__":

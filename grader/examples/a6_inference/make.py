@@ -72,14 +72,14 @@ but this script.
 
 from __future__ import annotations
 
-import argparse
 import warnings
 from pathlib import Path
 
 import pytest
 
-from grader.examples.a1_collectives.make import write
-from grader.examples.a5_model_parallel.make import edit, replace_region
+from grader.examples import common
+from grader.examples.a5_model_parallel.make import replace_region
+from grader.examples.common import edit, write
 
 with warnings.catch_warnings():  # `points` is registered by grader/a6_inference/conftest.py only
     warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
@@ -472,11 +472,7 @@ def build(out: Path) -> list[Path]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path)
-    args = parser.parse_args()
-    written = build(args.out)
-    print(f"wrote {len(written)} submissions into {args.out}")
+    common.main(__doc__, build)
 
 
 if __name__ == "__main__":
