@@ -18,7 +18,6 @@ controllers are usable, and the grader says at start which protections are off.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import os
 import signal
@@ -86,8 +85,9 @@ def remove_stale(prefix: str = PREFIX) -> int:
 class SandboxGroup:
     """The cgroup directories (one per usable controller) of one sandbox.
 
-    ``paths`` go to ``sandbox.Isolation.cgroups``: the sandboxed process writes its own pid into
-    each ``cgroup.procs`` before anything else, so all it starts is counted and limited.
+    ``procs_files`` go to ``sandbox.Isolation.cgroup_procs``: the sandboxed process writes its
+    own pid into each ``cgroup.procs`` before anything else (``sandbox._join_cgroups``, still as
+    root), so all it starts is counted and limited. The grader never joins a group itself.
     """
 
     def __init__(self, name: str, dirs: dict[str, Path]):
@@ -95,13 +95,18 @@ class SandboxGroup:
         self.dirs = dirs
 
     @classmethod
-    def create(cls, name: str, memory_bytes: int, cpu_shares: int, max_pids: int) -> SandboxGroup:
-        """Make the group under our own cgroup of each usable controller and set its limits.
+    def create(
+        cls, name: str, memory_bytes: int, cpu_shares: int, max_pids: int, prefix: str = PREFIX
+    ) -> SandboxGroup:
+        """Make the group ``prefix + name`` under our own cgroup of each usable controller and set
+        its limits.
 
         A controller that is not usable here is left out (see :func:`probe`); a limit that
-        cannot be written raises (a group without its limit would be a silent hole).
+        cannot be written raises (a group without its limit would be a silent hole). Groups made
+        outside a grading run (tests) take another ``prefix``: a grader starting beside them
+        would otherwise remove them as stale (:func:`remove_stale`), killing their processes.
         """
-        group = cls(PREFIX + name, {})
+        group = cls(prefix + name, {})
         try:
             for controller in CONTROLLERS:
                 parent = _own_path(controller)
@@ -134,6 +139,11 @@ class SandboxGroup:
     @property
     def paths(self) -> tuple[str, ...]:
         return tuple(str(path) for path in self.dirs.values())
+
+    @property
+    def procs_files(self) -> tuple[str, ...]:
+        """The ``cgroup.procs`` file of each directory: a pid written there joins the group."""
+        return tuple(str(path / "cgroup.procs") for path in self.dirs.values())
 
     def pids(self) -> set[int]:
         """Every process in the group (any controller: one can be left by a failed join)."""
@@ -262,25 +272,3 @@ def remove_stale_once() -> int:
             return 0
         _stale_done = True
         return remove_stale()
-
-
-@contextlib.contextmanager
-def forking_into(group: SandboxGroup):
-    """While inside, this THREAD is in ``group``: a process it starts begins there.
-
-    For a sandbox that cannot join by itself (``sandbox.Isolation`` without a ``cgroups``
-    field). cgroup v1 moves single threads through the ``tasks`` file; a child forked by the
-    thread inherits its groups from its first instruction, before the sandbox's code runs.
-    Memory stays charged to the grader (v1 charges the process's leader's group), and
-    :meth:`SandboxGroup.kill_all` never signals the grader. The thread goes back on leaving.
-    """
-    tid = str(threading.get_native_id())
-    moved = []
-    try:
-        for path in group.dirs.values():
-            (path / "tasks").write_text(tid)
-            moved.append(path)
-        yield
-    finally:
-        for path in moved:
-            (path.parent / "tasks").write_text(tid)

@@ -42,6 +42,7 @@ import importlib
 import json
 import os
 import queue
+import re
 import secrets
 import shutil
 import sys
@@ -51,11 +52,11 @@ from pathlib import Path
 import pytest
 from tqdm import tqdm
 
-from . import guard, intake, report, sandbox, similarity
+from . import cgroups, guard, intake, report, sandbox, similarity
 from .plan import GradedTest, TestResult
 from .text import clean as clean_text
 from .tree import remove_tree
-from .wire import WireError, read_probe, read_record
+from .wire import Budget, WireError, read_probe, read_record
 
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS = Path(__file__).resolve().parent / "harness.py"
@@ -68,10 +69,46 @@ UID_BASE = 64000  # sandbox user ids: UID_BASE + slot, one per parallel job
 #: cleanup kills every process of its ids, so two runs at once would kill each other's sandboxes
 SANDBOX_USERS_LOCK = Path("/run/minidist-grader-sandbox-users.lock")
 GID = 65534  # nogroup
+# Per-sandbox limits when isolated; the defaults of --sandbox-memory, --sandbox-disk, --sandbox-pids.
 SANDBOX_MEMORY_BYTES = 6 * 2**30  # per sandbox cgroup: every page its processes touch, tmpfs too
 SANDBOX_CPU_SHARES = 1024  # equal CPU between busy sandboxes, whatever their process counts
 SANDBOX_MAX_PIDS = 512  # processes and threads (torch starts a few threads per rank)
-SANDBOX_WORKDIR_SIZE = "512m"  # the working directory's tmpfs (its pages count as memory too)
+SANDBOX_DISK_BYTES = 512 * 2**20  # the working directory's tmpfs (its pages count as memory too)
+_SIZE = re.compile(r"([0-9]+)([KMGT]?)(?:I?B)?", re.IGNORECASE)
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+MAX_SIZE_BYTES = 2**50  # 1 PiB: above it a size is a typo (the kernel's counters are 64-bit)
+MAX_PIDS = 4194304  # the kernel's largest pid_max: pids.max refuses more
+
+
+def parse_size(text: str) -> int:
+    """``"6G"`` -> 6 GiB in bytes: a positive whole number with an optional binary suffix
+    (``K``, ``M``, ``G``, ``T``; ``MB``, ``MiB`` read the same). argparse shows the error."""
+    match = _SIZE.fullmatch(text.strip())
+    value = int(match.group(1)) * _UNITS[match.group(2).upper()] if match else 0
+    if not 0 < value <= MAX_SIZE_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a usable size: write a positive whole number of bytes, optionally with "
+            f"a suffix K, M, G or T (powers of 1024), e.g. 6G or 512M; at most {size_text(MAX_SIZE_BYTES)}"
+        )
+    return value
+
+
+def parse_count(text: str) -> int:
+    """``"512"`` -> 512: a positive whole number of processes (argparse shows the error)."""
+    value = int(text) if text.strip().isdigit() else 0
+    if not 0 < value <= MAX_PIDS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a usable count: write a whole number from 1 to {MAX_PIDS}, e.g. 512"
+        )
+    return value
+
+
+def size_text(value: int) -> str:
+    """Bytes as a person writes them: ``6 GiB``, ``512 MiB``, ``1536 KiB``, ``100 bytes``."""
+    for unit, name in ((2**50, "PiB"), (2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if value % unit == 0:
+            return f"{value // unit} {name}"
+    return f"{value} bytes"
 
 
 def load_assignment(name: str):
@@ -99,6 +136,8 @@ def config_digest(name: str, args: argparse.Namespace, seed_key: str) -> str:
     for path in sorted((ROOT / "grader" / name).glob("*.py")) + [HARNESS, *shared]:
         h.update(path.name.encode() + path.read_bytes())
     options = {"tests": args.tests, "test_timeout": args.test_timeout, "timeout": args.timeout}
+    # a tighter limit can fail a test that passed: another limit must grade again on resume
+    options |= {"memory": args.sandbox_memory, "disk": args.sandbox_disk, "pids": args.sandbox_pids}
     h.update(json.dumps(options, sort_keys=True).encode() + seed_key.encode())
     return h.hexdigest()
 
@@ -117,13 +156,19 @@ class Grader:
         off = ["isolation (--no-isolation)"] if args.no_isolation else []
         off += [name for name, works in protections.items() if not works]
         if protections.get("root"):
-            from . import cgroups
-
             off += [f"cgroup {name}" for name, works in cgroups.probe().items() if not works]
         if off:
             how = "isolated in part" if self.isolated else "limited, not isolated, under the grader's user"
             print(
                 f"warning: protections OFF: {', '.join(off)}; submissions {how} (grader/README.md)",
+                file=sys.stderr,
+            )
+        if self.isolated:
+            print(
+                f"sandbox limits per submission: memory {size_text(args.sandbox_memory)} (tmpfs and shm "
+                f"included; --sandbox-memory), disk {size_text(args.sandbox_disk)} (--sandbox-disk), "
+                f"{args.sandbox_pids} processes and threads (--sandbox-pids), "
+                f"CPU shares {SANDBOX_CPU_SHARES}",
                 file=sys.stderr,
             )
         self.work_root = out / ".sandbox"
@@ -196,17 +241,15 @@ class Grader:
         uid = UID_BASE + slot if self.isolated else None
         token = secrets.token_hex(8)
         workdir = self.work_root / token
-        from . import cgroups  # here, not at the top: grade.py's imports are shared with others
-
         group, mounted = None, False
         try:
             workdir.mkdir(parents=True)
             if self.isolated:  # its own disk (ENOSPC there only) and its own memory, CPU, pids
-                cgroups.mount_tmpfs(workdir, SANDBOX_WORKDIR_SIZE)
+                cgroups.mount_tmpfs(workdir, str(self.args.sandbox_disk))
                 mounted = True
                 cgroups.remove_stale_once()
                 group = cgroups.SandboxGroup.create(
-                    f"{slot}-{token}", SANDBOX_MEMORY_BYTES, SANDBOX_CPU_SHARES, SANDBOX_MAX_PIDS
+                    f"{slot}-{token}", self.args.sandbox_memory, SANDBOX_CPU_SHARES, self.args.sandbox_pids
                 )
             for name, data in submission.files.items():
                 (workdir / name).write_bytes(data)
@@ -234,19 +277,20 @@ class Grader:
             }
             command = [sys.executable, "-s", str(inside / "harness.py"), "spec.json", "results"]
             limits = sandbox.Limits(wall_seconds=self.args.timeout, cpu_seconds=int(self.args.timeout) + 60)
-            isolation = sandbox.Isolation(self.isolated, uid, GID if uid is not None else None, self.hide)
-            joining = contextlib.nullcontext()
-            if group is not None and hasattr(isolation, "cgroups"):  # the sandbox joins first thing
-                isolation.cgroups = group.paths
-            elif group is not None:  # it is forked from this thread while the thread is in it
-                joining = cgroups.forking_into(group)
-            with joining:
-                run = sandbox.run(command, workdir, env, limits, isolation)
+            # the sandbox process joins its cgroups first thing, as root (sandbox._join_cgroups)
+            joins = group.procs_files if group is not None else ()
+            isolation = sandbox.Isolation(
+                self.isolated, uid, GID if uid is not None else None, self.hide, joins
+            )
+            run = sandbox.run(command, workdir, env, limits, isolation)
             oom = group is not None and group.oom_killed()
             results_dir = workdir / "results"
             if results_dir.is_symlink() or not results_dir.is_dir():  # replaced by the student's code
                 results_dir = workdir / "no-results-here"
-            checked = [self._check(test, results_dir, f"t{index:03d}") for index, test in enumerate(tests)]
+            budget = Budget()  # the decoded bytes of all this submission's records
+            checked = [
+                self._check(test, results_dir, f"t{index:03d}", budget) for index, test in enumerate(tests)
+            ]
             probe = read_probe(results_dir)
         finally:
             if group is not None:  # nothing it started outlives its grading
@@ -276,15 +320,19 @@ class Grader:
         elif run.status == "crashed":
             reason = f"the sandboxed run exited with status {run.returncode}"
         if oom:
-            limit = f"the sandbox's memory limit ({SANDBOX_MEMORY_BYTES / 2**30:g} GiB, tmpfs and shm too)"
+            limit = f"the sandbox's memory limit ({size_text(self.args.sandbox_memory)}, tmpfs and shm too)"
             reason = f"{reason}; a process was killed for exceeding {limit}".lstrip("; ")
         return report.Graded(submission.student, status, reason, results, run.seconds, digest, _output(run))
 
-    def _check(self, test: GradedTest, folder: Path, job_id: str) -> tuple[TestResult, str | None]:
-        """The test's result, and the import error that failed it (None: not one)."""
+    def _check(
+        self, test: GradedTest, folder: Path, job_id: str, budget: Budget
+    ) -> tuple[TestResult, str | None]:
+        """The test's result, and the import error that failed it (None: not one).
+
+        ``budget``: the submission's decoded-bytes budget, shared by all its records."""
         result = TestResult(test.name, 0.0, test.points, False, test.function)
         try:
-            record = read_record(folder, job_id)
+            record = read_record(folder, job_id, budget)
         except WireError as error:
             result.message = str(error)
             return result, None
@@ -497,4 +545,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--no-isolation", action="store_true", help="as root: no private mounts or user (debugging only)"
+    )
+    limits = parser.add_argument_group(
+        "sandbox limits", "per submission, when grading as root (isolated); a change regrades on resume"
+    )
+    limits.add_argument(
+        "--sandbox-memory",
+        type=parse_size,
+        default=SANDBOX_MEMORY_BYTES,
+        metavar="SIZE",
+        help=f"memory of all its processes, tmpfs and shm included (cgroup; default "
+        f"{size_text(SANDBOX_MEMORY_BYTES).replace(' ', '')}; suffix K, M, G)",
+    )
+    limits.add_argument(
+        "--sandbox-disk",
+        type=parse_size,
+        default=SANDBOX_DISK_BYTES,
+        metavar="SIZE",
+        help=f"its working directory's tmpfs, which also counts as memory (default "
+        f"{size_text(SANDBOX_DISK_BYTES).replace(' ', '')})",
+    )
+    limits.add_argument(
+        "--sandbox-pids",
+        type=parse_count,
+        default=SANDBOX_MAX_PIDS,
+        metavar="N",
+        help=f"processes and threads at once (cgroup pids.max; default {SANDBOX_MAX_PIDS})",
     )

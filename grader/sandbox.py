@@ -22,6 +22,8 @@ What the child gets (``run``):
     (``world_writable_dirs``), and every other mount of the namespace remounted read-only:
     nothing written by a sandbox outlives it or reaches another one;
   - ``no_new_privs``: a setuid program cannot raise its privileges;
+  - its own cgroups (``Isolation.cgroup_procs``, made by ``cgroups.SandboxGroup``: memory,
+    CPU share, process count), which the sandbox process joins first thing, still as root;
   - an unprivileged user id of its own (``uid``, one per parallel slot, never shared by two
     running submissions), so it can read or signal no other submission, and the grader can
     find and kill every process it started, even one that left the session.
@@ -83,6 +85,9 @@ class Isolation:
     uid: int | None = None
     gid: int | None = None
     hide: tuple[str, ...] = ()  # folders covered by an empty tmpfs
+    #: ``cgroup.procs`` files of the sandbox's cgroups (``cgroups.SandboxGroup.procs_files``):
+    #: ``enter`` writes its own pid into each first thing, so everything it starts is in them
+    cgroup_procs: tuple[str, ...] = ()
 
 
 @dataclass
@@ -237,6 +242,7 @@ def enter(workdir: str, limits: Limits, isolation: Isolation) -> None:
     the new PID namespace (``_init``), which returns here only in *its* child, the process that
     execs the command; this process stays outside, waits for init and exits with its status.
     """
+    _join_cgroups(isolation.cgroup_procs)
     os.umask(0o022)  # the grader's own umask (077) would make the mount points unreachable
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # die with the grader's thread
     if isolation.enabled:
@@ -287,6 +293,23 @@ def enter(workdir: str, limits: Limits, isolation: Isolation) -> None:
     _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # after setuid, which clears it
     if _libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:  # setuid binaries no longer elevate
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS)")
+
+
+def _join_cgroups(procs_files: tuple[str, ...]) -> None:
+    """Move this process into the sandbox's cgroups: its pid into each ``cgroup.procs`` file.
+
+    First thing in ``enter``, while this process is still root (only root may write there),
+    single-threaded and before any namespace exists or anything of the submission runs: every
+    process the sandbox starts from here on -- init, the harness, the workers, whatever they
+    fork, ``setsid`` or not -- is born in the groups and cannot leave them (every other group's
+    ``cgroup.procs`` is root's). With cgroup v1, pages this interpreter touched before the move
+    (its own start-up) stay charged to the grader's memory group; all later ones count here.
+    A failed write raises: a sandbox outside its limits must not run.
+    """
+    pid = str(os.getpid())
+    for path in procs_files:
+        with open(path, "w") as file:
+            file.write(pid)
 
 
 def _drop(isolation: Isolation, limits: Limits) -> None:
@@ -541,7 +564,10 @@ def _main(argv: list[str]) -> None:
     """``python sandbox.py CONFIG -- COMMAND...``: enter the sandbox, then exec COMMAND."""
     config = json.loads(argv[0])
     limits = Limits(**config["limits"])
-    isolation = Isolation(**{**config["isolation"], "hide": tuple(config["isolation"]["hide"])})
+    given = config["isolation"]
+    isolation = Isolation(
+        **{**given, "hide": tuple(given["hide"]), "cgroup_procs": tuple(given["cgroup_procs"])}
+    )
     enter(config["workdir"], limits, isolation)
     command = argv[argv.index("--") + 1 :]
     os.execv(command[0], command)

@@ -7,11 +7,12 @@ are accepted, and anything unexpected becomes a ``WireError`` -- which fails the
 whose record it is, not the grader.
 
 Bytes are capped before they are read: a record may reference the same ``.npy`` many times,
-so the decoded tensors of one record (``MAX_RECORD_BYTES``) and of all the records read from
-one results folder, i.e. one submission (``MAX_SUBMISSION_BYTES``), are counted from each
-file's size *before* it is loaded. JSON is parsed strictly enough to stay cheap: an integer
-literal of more than ``MAX_INT_DIGITS`` digits is refused (``NaN`` / ``Infinity`` are read as
-floats: they are data, which the check then judges).
+so the decoded tensors of one record (``MAX_RECORD_BYTES``) and of all the records of one
+submission (``MAX_SUBMISSION_BYTES``, counted by the ``Budget`` the grader makes per submission
+and passes to each ``read_record``) are counted from each file's size *before* it is loaded.
+JSON is parsed strictly enough to stay cheap: an integer literal of more than
+``MAX_INT_DIGITS`` digits is refused (``NaN`` / ``Infinity`` are read as floats: they are
+data, which the check then judges).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -49,30 +49,40 @@ class WireError(Exception):
     """A record that is missing, malformed or not what the harness writes."""
 
 
-#: decoded bytes so far per results folder (each run has its own, randomly named, folder)
-_spent: dict[str, int] = {}
-_spent_lock = threading.Lock()
+class Budget:
+    """The decoded tensor bytes one submission may still read: made per submission, passed to
+    every ``read_record`` of its results (``Grader._run``), and dropped with it.
 
+    Each record also has its own cap (``MAX_RECORD_BYTES``), counted per ``read_record`` call.
+    Sizes are counted from the ``.npy`` files' sizes *before* they are loaded, so a record that
+    references one large file many times is refused before memory is spent on it.
+    """
 
-class _Budget:
-    """The bytes one record may still decode: its own cap and what is left of its folder's."""
+    def __init__(self) -> None:
+        self.spent = 0  # bytes of every record read with this budget
 
-    def __init__(self, folder: Path) -> None:
-        self.folder, self.record = str(folder), 0
-
-    def take(self, size: int, name: str) -> None:
-        """Count ``size`` bytes against both caps before they are read; WireError when over."""
-        if self.record + size > MAX_RECORD_BYTES:
+    def take(self, size: int, record: int, name: str) -> int:
+        """Count ``size`` more bytes of a record that has decoded ``record`` bytes so far, before
+        they are read; the record's new total. WireError when either cap would be exceeded."""
+        if record + size > MAX_RECORD_BYTES:
             cap = MAX_RECORD_BYTES >> 20
             raise WireError(f"the result's tensors add up to more than {cap} MiB (at {name})")
-        with _spent_lock:
-            spent = _spent.get(self.folder, 0)
-            if spent + size > MAX_SUBMISSION_BYTES:
-                raise WireError(
-                    f"the results of this submission add up to more than {MAX_SUBMISSION_BYTES >> 20} MiB"
-                )
-            _spent[self.folder] = spent + size
-        self.record += size
+        if self.spent + size > MAX_SUBMISSION_BYTES:
+            raise WireError(
+                f"the results of this submission add up to more than {MAX_SUBMISSION_BYTES >> 20} MiB"
+            )
+        self.spent += size
+        return record + size
+
+
+class _RecordBudget:
+    """What one record may still decode: its own cap and what is left of its submission's."""
+
+    def __init__(self, submission: Budget) -> None:
+        self.submission, self.record = submission, 0
+
+    def take(self, size: int, name: str) -> None:
+        self.record = self.submission.take(size, self.record, name)
 
 
 def _int(digits: str) -> int:
@@ -86,8 +96,12 @@ def loads(text: str):
     return json.loads(text, parse_int=_int)
 
 
-def read_record(folder: Path, job_id: str) -> dict:
-    """``{"value": ...}`` (tensors decoded) or ``{"error": {...}}``; WireError when unreadable."""
+def read_record(folder: Path, job_id: str, budget: Budget | None = None) -> dict:
+    """``{"value": ...}`` (tensors decoded) or ``{"error": {...}}``; WireError when unreadable.
+
+    ``budget``: the submission's (one ``Budget`` for all its records); None: a fresh one, so
+    only this record's bytes count against ``MAX_SUBMISSION_BYTES``.
+    """
     path = folder / f"{job_id}.json"
     if path.is_symlink() or not path.is_file():
         raise WireError("no result was written for this test (the run was stopped before it, or crashed)")
@@ -103,7 +117,9 @@ def read_record(folder: Path, job_id: str) -> dict:
         if not isinstance(record["error"], dict):
             raise WireError("malformed error record")
         return {"error": record["error"], "seconds": _number(record.get("seconds"))}
-    value = _decode(record["value"], folder, depth=0, budget=_Budget(folder))
+    value = _decode(
+        record["value"], folder, depth=0, budget=_RecordBudget(Budget() if budget is None else budget)
+    )
     return {"value": value, "seconds": _number(record.get("seconds"))}
 
 
@@ -134,7 +150,7 @@ def _number(value) -> float:
     return number if math.isfinite(number) and number >= 0 else 0.0
 
 
-def _decode(value, folder: Path, depth: int, budget: _Budget):
+def _decode(value, folder: Path, depth: int, budget: _RecordBudget):
     if depth > 20:
         raise WireError("the result is nested too deeply")
     if isinstance(value, list):
@@ -150,7 +166,7 @@ def _decode(value, folder: Path, depth: int, budget: _Budget):
     return value
 
 
-def _tensor(entry: dict, folder: Path, budget: _Budget) -> torch.Tensor:
+def _tensor(entry: dict, folder: Path, budget: _RecordBudget) -> torch.Tensor:
     name, dtype = entry.get("$tensor"), entry.get("dtype")
     if not isinstance(name, str) or not _NAME.match(name) or dtype not in DTYPES:
         raise WireError("malformed tensor entry")
