@@ -2,7 +2,7 @@
 
 Each is the solution (so its own tests would pass) plus a snippet run when ``collectives.py``
 is first imported in its sandbox (a marker file makes it run once per sandbox, not once per
-test). ``tests/test_grade_resources.py`` grades them in one batch beside ``alice`` (the
+test). ``tests/test_grade_hostile.py`` grades them in one batch beside ``alice`` (the
 solution), whose score must stay full:
 
 * ``cpu_hog``: 150 busy-looping processes, each in a session of its own (``setsid``), for the
@@ -20,11 +20,12 @@ forbidden), so these are legitimate-looking imports.
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
-from grader.examples.a1_collectives.make import FILE, SOLUTION, prepend, write
+from grader.examples import common
+from grader.examples.a1_collectives.make import FILE, SOLUTION, prepend
 
+#: imports and ``_first_time(name)`` (True once per sandbox: a marker in its working directory)
 ONCE = """
 import os as _os
 import subprocess as _subprocess
@@ -89,15 +90,8 @@ def build_dict() -> dict[str, dict[str, bytes]]:
 
 
 def build(out: Path) -> list[Path]:
-    return write(out, build_dict())
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out", type=Path)
-    args = parser.parse_args()
-    print(f"wrote {len(build(args.out))} submissions into {args.out}")
+    return common.write(out, build_dict())
 
 
 if __name__ == "__main__":
-    main()
+    common.main(__doc__, build)

@@ -12,17 +12,26 @@ allows ``subprocess``, which runs anything: the snippets run their file work in 
   job that references it 1,000 times, then makes ``results/`` read-only so the harness cannot
   replace the forged records (the harness then crashes: the status is ``crashed``);
 * ``nan_record``: the same, with records holding ``NaN``, ``Infinity`` and a 400-digit integer;
+* ``record_race``: forges without stopping the harness: once per sandbox it starts a background
+  process (a session of its own) that, for as long as the sandbox lives, replaces every record
+  the harness has just written with a forged one, in turn the ``npy_bomb`` record, a 400-digit
+  integer and ``NaN``/``Infinity``; the harness runs to its end (status ``ok``), the grader reads
+  the forgeries (all but perhaps the last record, which the sandbox's end may beat the forger to);
 * ``deep_dirs``: at import, leaves 3,000 nested directories in its working directory
   (deeper than ``PATH_MAX``; ``shutil.rmtree`` raised ``RecursionError`` on them);
 * ``gradebook.csv``: a correct submission named like the grader's own output file.
 
-``tests/test_grade_robust.py`` grades them beside ``alice`` (the solution) and adds a folder
+``tests/test_grade_hostile.py`` grades them beside ``alice`` (the solution) and adds a folder
 whose ``collectives.py`` is a 10 GB sparse file (made there with ``truncate``, never committed).
 """
 
 from __future__ import annotations
 
-from .make import FILE, SOLUTION, prepend, with_prologue
+from pathlib import Path
+
+from grader.examples import common
+from grader.examples.a1_collectives.make import FILE, SOLUTION, prepend, with_prologue
+from grader.examples.a1_collectives.resources import ONCE
 
 SURROGATE = r"""
 raise RuntimeError(
@@ -89,12 +98,39 @@ if not os.path.exists("deep"):
 '''], timeout=60)
 """
 
+# A forger that races the harness instead of stopping it: it polls ``results/`` and replaces each
+# new record (the harness's ``os.replace`` gives it a new file, which the forger overwrites in
+# place) with one of three forgeries, by the job's index. Its stdio is not the harness's pipes.
+RECORD_RACE = """
+if _first_time(".record_race"):
+    _subprocess.Popen([_sys.executable, "-c", '''
+import json, os, time
+import numpy as np
+os.makedirs("results", exist_ok=True)
+np.save("results/forged.npy", np.zeros(8 * 2**20, dtype=np.float32))  # 32 MiB
+forgeries = [
+    json.dumps({"value": [{"$tensor": "forged.npy", "dtype": "float32"}] * 1000, "seconds": 0.1}),
+    '{"value": ' + str(10**400) + ', "seconds": 1}',
+    '{"value": [NaN, Infinity, -Infinity], "seconds": NaN}',
+]
+forged = set()
+while True:  # until the sandbox ends (it is killed with everything else in it)
+    for name in sorted(os.listdir("results")):
+        if name.startswith("t") and name.endswith(".json") and name not in forged:
+            with open(os.path.join("results", name), "w") as file:
+                file.write(forgeries[int(name[1:4]) % len(forgeries)])
+            forged.add(name)
+    time.sleep(0.01)
+'''], start_new_session=True, stdin=_QUIET, stdout=_QUIET, stderr=_QUIET)
+"""
+
 #: student -> (status, score) on tests/test_grade_robust.py's subset of tests (alice: full)
 EXPECTED = {
     "surrogate": ("ok", None),  # ring_allgather's tests fail, the others pass
     "markdown_forge": ("ok", None),
     "npy_bomb": ("crashed", 0),
     "nan_record": ("crashed", 0),
+    "record_race": ("ok", None),  # every test but perhaps the last fails on a forged record
     "deep_dirs": ("ok", "full"),
     "gradebook.csv": ("invalid_submission", 0),
 }
@@ -108,6 +144,15 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         "markdown_forge": {FILE: with_prologue(solution, "ring_allgather", MARKDOWN_FORGE).encode()},
         "npy_bomb": {FILE: prepend(solution, NPY_BOMB).encode()},
         "nan_record": {FILE: prepend(solution, NAN_RECORD).encode()},
+        "record_race": {FILE: prepend(solution, ONCE + RECORD_RACE).encode()},
         "deep_dirs": {FILE: prepend(solution, DEEP_DIRS).encode()},
         "gradebook.csv": {FILE: solution.encode()},
     }
+
+
+def build(out: Path) -> list[Path]:
+    return common.write(out, build_dict())
+
+
+if __name__ == "__main__":
+    common.main(__doc__, build)
