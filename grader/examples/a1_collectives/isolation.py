@@ -29,8 +29,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from grader.examples import common
-from grader.examples.a1_collectives.make import FILE, SOLUTION, prepend
-from grader.examples.a1_collectives.resources import ONCE
+from grader.examples.a1_collectives.resources import beside_alice
 
 MARKER = "minidist-isolation-attack"  # in every file the attackers plant
 
@@ -112,7 +111,8 @@ if _leaks:  # the grader's command line (and its seed key) reached this sandbox:
     raise RuntimeError("cmdline_spy found the grader's command line: " + " | ".join(_leaks))
 """
 
-#: name -> snippet (after ``resources.ONCE``, which imports ``os``, ``subprocess``, ``sys``)
+#: name -> snippet (after ``resources.ONCE``, which imports ``os``, ``subprocess``, ``sys``, and
+#: defines ``_first_time`` and ``_QUIET``)
 ATTACKERS = {
     "net_snoop": NET_SNOOP,
     "setuid_plant": SETUID_PLANT,
@@ -123,11 +123,7 @@ ATTACKERS = {
 
 def build_dict() -> dict[str, dict[str, bytes]]:
     """``alice`` (the solution) and one submission per attacker, as {student: {file: bytes}}."""
-    solution = SOLUTION.read_text()
-    submissions = {"alice": {FILE: solution.encode()}}
-    for name, snippet in ATTACKERS.items():
-        submissions[name] = {FILE: prepend(solution, ONCE + snippet).encode()}
-    return submissions
+    return beside_alice(ATTACKERS)
 
 
 def build(out: Path) -> list[Path]:

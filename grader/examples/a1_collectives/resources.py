@@ -80,13 +80,19 @@ if _first_time(".mem_hog"):  # bytearray() alone maps zero pages: each page is w
 ATTACKS = {"cpu_hog": CPU_HOG, "disk_fill": DISK_FILL, "mem_hog": MEM_HOG}
 
 
-def build_dict() -> dict[str, dict[str, bytes]]:
-    """``alice`` (the solution) and one submission per attack, as {student: {file: bytes}}."""
+def beside_alice(attacks: dict[str, str]) -> dict[str, dict[str, bytes]]:
+    """``alice`` (the solution) and, per attack, the solution running ``ONCE`` + its snippet at
+    import, as {student: {file: bytes}} (``isolation.py`` builds its students the same way)."""
     solution = SOLUTION.read_text()
     submissions = {"alice": {FILE: solution.encode()}}
-    for name, snippet in ATTACKS.items():
+    for name, snippet in attacks.items():
         submissions[name] = {FILE: prepend(solution, ONCE + snippet).encode()}
     return submissions
+
+
+def build_dict() -> dict[str, dict[str, bytes]]:
+    """``alice`` (the solution) and one submission per attack, as {student: {file: bytes}}."""
+    return beside_alice(ATTACKS)
 
 
 def build(out: Path) -> list[Path]:
