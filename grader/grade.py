@@ -437,6 +437,18 @@ def sandbox_users(isolated: bool):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def unmount_stale(work_root: Path) -> list[str]:
+    """Detach the working-directory tmpfs a killed grader left under ``work_root`` (this output
+    folder's ``.sandbox``); the mount points unmounted. Its ``finally`` never ran, so the
+    mount would stay (and make the final cleanup fail) until the machine restarts."""
+    prefix = str(work_root) + "/"
+    stale = sorted((p for p in sandbox.mount_points() if p.startswith(prefix)), key=len, reverse=True)
+    for point in stale:  # deepest first
+        with contextlib.suppress(OSError):
+            cgroups.unmount(point)
+    return stale
+
+
 def main(args: argparse.Namespace) -> int:
     os.umask(0o077)  # everything the grader writes is for root (the instructor) only
     sandbox.become_subreaper()
@@ -468,6 +480,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"reusing {len(rows)} finished submission(s) (--force to grade them again)", file=sys.stderr)
     try:
         with sandbox_users(grader.isolated), ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            if grader.isolated and unmount_stale(grader.work_root):
+                print("removed the working directories of an interrupted run", file=sys.stderr)
             futures = {pool.submit(grader.grade, s): s for s in todo}
             bar = tqdm(
                 as_completed(futures), total=len(futures), desc=f"grading {args.assignment}", unit="sub"

@@ -160,7 +160,7 @@ def world_writable_dirs() -> list[str]:
     mount except the sandbox's own tmpfs is remounted read-only, so it cannot be written.
     """
     candidates = set()
-    for top in [*SCANNED, *_mount_points()]:
+    for top in [*SCANNED, *mount_points()]:
         if top.startswith(("/proc", "/sys")) or not os.path.isdir(top):
             continue
         candidates.add(top)
@@ -183,7 +183,7 @@ def world_writable_dirs() -> list[str]:
     return sorted(found)
 
 
-def _mount_points() -> list[str]:
+def mount_points() -> list[str]:
     """Mount points of this mount namespace, from ``/proc/self/mountinfo`` (``\\040`` decoded)."""
     points = []
     with open("/proc/self/mountinfo") as file:

@@ -167,3 +167,28 @@ def test_stale_groups_are_removed():
     finally:
         other.remove()
     assert not any(path.exists() for path in paths)
+
+
+@pytest.mark.skipif(not (hasattr(os, "geteuid") and os.geteuid() == 0), reason="mounting needs root")
+def test_working_directories_left_by_a_killed_grader_are_unmounted(tmp_path):
+    """grade.unmount_stale detaches the tmpfs under OUT/.sandbox (deepest first), nothing else."""
+    from grader import grade
+
+    def mounted() -> set[str]:
+        return {point for point in sandbox.mount_points() if point.startswith(str(tmp_path))}
+
+    work_root, beside = tmp_path / "out" / ".sandbox", tmp_path / "beside"
+    outer, inner = work_root / "abc", work_root / "abc" / "results"
+    for path in (outer, beside):
+        path.mkdir(parents=True)
+    try:
+        cgroups.mount_tmpfs(outer, "1m")
+        inner.mkdir()
+        cgroups.mount_tmpfs(inner, "1m")
+        cgroups.mount_tmpfs(beside, "1m")
+        assert grade.unmount_stale(work_root) == [str(inner), str(outer)]
+        assert mounted() == {str(beside)}
+        assert grade.unmount_stale(work_root) == []
+    finally:
+        for point in sorted(mounted(), key=len, reverse=True):
+            cgroups.unmount(point)
