@@ -95,7 +95,7 @@ def parse_size(text: str) -> int:
 
 def parse_count(text: str) -> int:
     """``"512"`` -> 512: a positive whole number of processes (argparse shows the error)."""
-    value = int(text) if text.strip().isdigit() else 0
+    value = int(text) if re.fullmatch(r"\s*[0-9]+\s*", text) else 0
     if not 0 < value <= MAX_PIDS:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a usable count: write a whole number from 1 to {MAX_PIDS}, e.g. 512"

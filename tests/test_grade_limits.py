@@ -65,7 +65,7 @@ def test_process_counts(text, expected):
     assert parse("--sandbox-pids", text).sandbox_pids == expected
 
 
-@pytest.mark.parametrize("text", ["0", "-5", "1e3", "many", "", "4194305", "512k"])
+@pytest.mark.parametrize("text", ["0", "-5", "1e3", "many", "", "4194305", "512k", "\u00b2"])
 def test_bad_process_counts_are_refused_with_what_to_write(text, capsys):
     with pytest.raises(SystemExit):
         parse(f"--sandbox-pids={text}")
