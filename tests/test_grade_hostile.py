@@ -14,6 +14,8 @@ the isolation and resource tests are skipped.
 The attacks on the *other* slot only mean something while alice is being graded: the grader
 grades in sorted order of ids, ``--jobs`` slots at a time, so alice and those attackers get ids
 starting with ``0-`` (sorted first) and ``--jobs`` is their number: they all start at once.
+``cpu_hog`` holds its slot until ``--timeout`` (its own imports get a 150th of its group's CPU
+share), which is the floor of the batch's time: 60 s, a few times what alice needs beside it.
 """
 
 from __future__ import annotations
@@ -117,7 +119,7 @@ class Batch:
             ["truncate", "-s", "10G", str(self.submissions / "sparse" / make.FILE)], check=True, timeout=30
         )
         self.command = [sys.executable, "-m", "grader", "grade", "a1_collectives", str(self.submissions)]
-        self.command += ["--out", str(self.out), "--seed-key", KEY, "--test-timeout", "30", "--timeout", "90"]
+        self.command += ["--out", str(self.out), "--seed-key", KEY, "--test-timeout", "30", "--timeout", "60"]
         self.command += ["--jobs", str(1 + len(BESIDE) if PROTECTED else 2)]
         for pattern in TESTS:
             self.command += ["--tests", pattern]
@@ -175,7 +177,9 @@ def test_every_attack_runs_and_none_is_refused_at_intake(batch):
     for name in (*isolation.ATTACKERS, *resources.ATTACKS, "record_race", "npy_bomb", "nan_record"):
         assert batch.row(name)["status"] not in ("forbidden", "invalid_submission"), batch.row(name)
     for name in isolation.ATTACKERS:  # the solution plus an attack on others: its own score is full
-        assert full(batch.row(name)), batch.row(name)
+        if name != "net_snoop":  # which writes into its own sockets too: its own tests may fail
+            assert full(batch.row(name)), batch.row(name)
+    assert batch.row("net_snoop")["status"] == "ok", batch.row("net_snoop")
 
 
 # --- isolation: nothing of another sandbox or the grader is reachable ---------------------------
