@@ -15,6 +15,13 @@ to the student's code, so that
 Headers and the barrier's empty messages are not counted (``CommStats`` does not count headers
 either, but counts a barrier's messages). What a determined submission can still forge is
 listed in ``grader/README.md``.
+
+``StudentComm(comm, record=True)`` also keeps a *transcript* (``Transcript``): every message
+this rank sent, with a copy of its bytes, and every receive it completed, in this rank's order.
+The trusted side of a1 pairs the transcripts of all ranks and checks that each message carries
+real data the sender could have had at that moment, and that every rank received what its
+result depends on (``grader/a1_collectives/test_hidden.py``, ``check_transcripts``): an answer
+computed without communicating -- or with dummy messages of the budgeted sizes -- fails.
 """
 
 from __future__ import annotations
@@ -45,6 +52,80 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+class Transcript:
+    """One rank's messages in the order it saw them, for the trusted side to replay.
+
+    Events are plain dicts: ``{"op": "send", "peer", "tag", "dtype", "numel", "offset"}`` when a
+    send is posted (``offset``: where a copy of its bytes starts in ``data``) and
+    ``{"op": "recv", "peer", "tag", "index", "dtype", "numel"}`` when a receive *completes*
+    (``index``: it is the index-th receive this rank posted from ``peer`` with ``tag``; messages
+    between two ranks with one tag arrive in the order they were posted). Recording completion,
+    not posting, is what makes causality checkable: data that arrived can have been used.
+    """
+
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+        self._chunks: list[torch.Tensor] = []
+        self._size = 0
+        self._posted: dict[tuple[int, int], int] = {}
+
+    def sent(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        data = tensor.detach().reshape(-1).contiguous()
+        raw = data.view(torch.uint8) if data.numel() else torch.empty(0, dtype=torch.uint8)
+        event = {"op": "send", "peer": int(dst), "tag": int(tag), "dtype": _dtype_name(tensor)}
+        self.events.append({**event, "numel": data.numel(), "offset": self._size})
+        self._chunks.append(raw.clone())
+        self._size += raw.numel()
+
+    def posted(self, src: int, tag: int) -> int:
+        """Number this receive among those posted from (``src``, ``tag``)."""
+        index = self._posted.get((int(src), int(tag)), 0)
+        self._posted[(int(src), int(tag))] = index + 1
+        return index
+
+    def received(self, tensor: torch.Tensor, src: int, tag: int, index: int) -> None:
+        event = {"op": "recv", "peer": int(src), "tag": int(tag), "index": index}
+        self.events.append({**event, "dtype": _dtype_name(tensor), "numel": tensor.numel()})
+
+    def take(self) -> dict:
+        """The events and bytes so far (``{"events": [...], "data": uint8 tensor}``); starts afresh."""
+        data = torch.cat(self._chunks) if self._chunks else torch.empty(0, dtype=torch.uint8)
+        taken = {"events": self.events, "data": data}
+        self.events, self._chunks, self._size, self._posted = [], [], 0, {}
+        return taken
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+class _ReceiveWork:
+    """The handle ``irecv`` returns when recording: the receive is recorded when it is seen to
+    have completed (``wait()`` returned, or ``is_completed()`` said so), once."""
+
+    def __init__(self, work, done) -> None:
+        self._work, self._done = work, done
+
+    def wait(self, timeout: float | None = None):
+        result = self._work.wait() if timeout is None else self._work.wait(timeout)
+        self._finish()
+        return result
+
+    def is_completed(self) -> bool:
+        completed = self._work.is_completed()
+        if completed:
+            self._finish()
+        return completed
+
+    def _finish(self) -> None:
+        done, self._done = self._done, None
+        if done is not None:
+            done()
+
+    def __getattr__(self, name: str):  # anything else of the library's Work (``tensor``, ...)
+        return getattr(self._work, name)
+
+
 class StudentComm:
     """A communicator with point-to-point operations only; the traffic counted per peer.
 
@@ -53,7 +134,7 @@ class StudentComm:
     tensor's bytes to ``sent_*[dst]``, ``recv``/``irecv`` to ``received_*[src]``.
     """
 
-    def __init__(self, comm) -> None:
+    def __init__(self, comm, record: bool = False) -> None:
         self.rank: int = comm.rank
         self.world_size: int = comm.world_size
         self.local_rank: int = comm.local_rank
@@ -61,11 +142,14 @@ class StudentComm:
         self.timeout: float | None = comm.timeout
         self._comm = comm
         self._traffic = Traffic.zeros(comm.world_size)
+        self._transcript = Transcript() if record else None
 
     def __repr__(self) -> str:
         return f"StudentComm(rank={self.rank}, world_size={self.world_size})"
 
-    def _count_sent(self, tensor: torch.Tensor, dst: int) -> None:
+    def _count_sent(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        if self._transcript is not None:
+            self._transcript.sent(tensor, dst, tag)
         self._traffic.sent_messages[dst] += 1
         self._traffic.sent_bytes[dst] += _nbytes(tensor)
 
@@ -76,25 +160,31 @@ class StudentComm:
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Send ``tensor`` to rank ``dst``; returns when ``tensor`` may be modified."""
         self._comm.send(tensor, dst, tag)
-        self._count_sent(tensor, dst)
+        self._count_sent(tensor, dst, tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
         """Receive into ``tensor`` (same shape and dtype as the sender's) from ``src``."""
+        index = None if self._transcript is None else self._transcript.posted(src, tag)
         self._comm.recv(tensor, src, tag)
         self._count_received(tensor, src)
+        if index is not None:
+            self._transcript.received(tensor, src, tag, index)
         return tensor
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0):
         """Start sending; do not modify ``tensor`` before ``wait()`` returns."""
         work = self._comm.isend(tensor, dst, tag)
-        self._count_sent(tensor, dst)
+        self._count_sent(tensor, dst, tag)
         return work
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0):
         """Start receiving into ``tensor``; read it only after ``wait()`` returns."""
         work = self._comm.irecv(tensor, src, tag)
         self._count_received(tensor, src)
-        return work
+        if self._transcript is None:
+            return work
+        transcript, index = self._transcript, self._transcript.posted(src, tag)
+        return _ReceiveWork(work, lambda: transcript.received(tensor, src, tag, index))
 
     def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
@@ -109,6 +199,11 @@ class StudentComm:
         return CommStats(
             sum(t.sent_bytes), sum(t.sent_messages), sum(t.received_bytes), sum(t.received_messages)
         )
+
+
+def transcript(comm: StudentComm) -> dict:
+    """``comm``'s transcript since the last call (``Transcript.take``); ``comm`` must record."""
+    return comm._transcript.take()
 
 
 def traffic(comm: StudentComm) -> dict[str, list[int]]:

@@ -28,7 +28,7 @@ import torch
 
 import minidist as md
 
-from . import workers
+from . import transcript, workers
 
 TIMEOUT = 30  # seconds per launch: a deadlock fails one test, it does not hang the grading
 ALL_WORLD_SIZES = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -171,6 +171,15 @@ def check_values(
             check_close(where, report["result"], expected, tolerance, dtype)
             if "input_after" in report and not _same(report["input_after"], inputs[rank]):
                 pytest.fail(f"{where}: the input was modified; {function} must leave it alone", pytrace=False)
+        replay(function, world_size, case, index, outs, inputs, transport)
+
+
+def replay(function: str, p: int, case: dict, index: int, outs: list, inputs: list, transport: str = "shm"):
+    """The messages of every rank for ``case`` (``outs[rank][index]``), replayed by ``transcript``:
+    each carries real data its sender had, and each rank received what its result depends on."""
+    where = f"{function} on {p} ranks ({transport}), {describe(case)}"
+    transcripts = [reports[index].get("transcript") for reports in outs]
+    return transcript.replay(function, p, where, transcripts, inputs, case.get("src"))
 
 
 def _same(got, expected: torch.Tensor) -> bool:
@@ -350,6 +359,65 @@ def chunk_range(numel: int, parts: int, chunks: int, itemsize: int) -> tuple[int
     return chunks * (numel // parts) * itemsize, chunks * math.ceil(numel / parts) * itemsize
 
 
+def check_schedule(function: str, p: int, cases: list[dict], outs: list, expected_sends, why: str) -> None:
+    """Each rank's messages, in order, against the algorithm's schedule: the peer of each send
+    and the ranks whose data it carries (found by replaying the transcripts, ``transcript.py``).
+
+    ``expected_sends(case, rank, sends)`` returns, per send, ``(peer, ranks)``: ``ranks`` is the
+    set of ranks whose data the message must carry (a sum over them, or in an allgather the one
+    input it must be), or None where only the peer is fixed.
+    """
+    for index, case in enumerate(cases):
+        ranks = replay(function, p, case, index, outs, inputs_of(case, p))
+        for rank, messages in enumerate(ranks):
+            sends = [m for m in messages if m.op == "send"]
+            expected = expected_sends(case, rank, sends)
+            where = f"{function} on {p} ranks, {describe(case)}: rank {rank}"
+            if len(sends) != len(expected):
+                pytest.fail(
+                    f"{where} sent {len(sends)} messages, the schedule {len(expected)}. {why}", pytrace=False
+                )
+            for step, (message, (peer, carried)) in enumerate(zip(sends, expected)):
+                if message.peer != peer:
+                    pytest.fail(
+                        f"{where}: its {transcript.ordinal(step + 1)} message went to rank {message.peer}, "
+                        f"the schedule sends it to rank {peer}. {why}",
+                        pytrace=False,
+                    )
+                if carried is None or message.numel == 0:
+                    continue
+                if message.segments is not None:
+                    found = [set(message.segments)]
+                else:
+                    found = [set(transcript.ranks_of(mask)) for mask, _, _ in message.match]
+                if set(carried) not in found:
+                    pytest.fail(
+                        f"{where}: its {transcript.ordinal(step + 1)} message carries the data of ranks "
+                        f"{sorted(found[0])}; at that step the schedule sends the data of ranks "
+                        f"{sorted(carried)}. {why}",
+                        pytrace=False,
+                    )
+
+
+def ring_sends(function: str, p: int):
+    """The ring's schedule (``check_schedule``), in whichever direction the rank sends: at step
+    k the partial sum over the k + 1 ranks behind it (reduce-scatter), then complete sums
+    (allgather phase of the allreduce); in an allgather, the input of the rank k behind it."""
+
+    def expected(case: dict, rank: int, sends: list) -> list:
+        step = 1 if not sends or sends[0].peer == (rank + 1) % p else -1
+        peer = (rank + step) % p
+        behind = [[(rank - i * step) % p for i in range(k + 1)] for k in range(p)]
+        if function == "ring_allgather":
+            return [(peer, [(rank - k * step) % p]) for k in range(p - 1)]
+        schedule = [(peer, behind[k]) for k in range(p - 1)]
+        if function == "ring_allreduce":
+            schedule += [(peer, list(range(p)))] * (p - 1)
+        return schedule
+
+    return expected
+
+
 def binomial_tree_sends(p: int, vrank: int) -> int:
     """Messages rank ``vrank`` (numbered from the source) sends in the doubling binomial tree."""
     sends, distance = 0, 1
@@ -398,6 +466,16 @@ def check_tree_broadcast_budget(world_size: int, cases: list[dict], outs: list) 
 
     check_budgets("tree_broadcast", p, cases, outs, expected, why)
 
+    def schedule(case: dict, rank: int, sends: list) -> list:
+        src, vrank, distance, order = case["src"], (rank - case["src"]) % p, 1, []
+        while distance < p:
+            if vrank < distance and vrank + distance < p:
+                order.append(((vrank + distance + src) % p, [src]))
+            distance *= 2
+        return order
+
+    check_schedule("tree_broadcast", p, cases, outs, schedule, why)
+
 
 # --- task 2: ring_allgather ------------------------------------------------------------------
 @pytest.mark.points(1)
@@ -426,6 +504,7 @@ def check_ring_allgather_budget(world_size: int, cases: list[dict], outs: list) 
 
     check_budgets("ring_allgather", p, cases, outs, expected, why)
     check_ring_neighbours("ring_allgather", p, cases, outs)
+    check_schedule("ring_allgather", p, cases, outs, ring_sends("ring_allgather", p), why)
 
 
 @pytest.mark.points(1)
@@ -483,6 +562,7 @@ def check_ring_reduce_scatter_budget(world_size: int, cases: list[dict], outs: l
 
     check_budgets("ring_reduce_scatter", p, cases, outs, expected, why)
     check_ring_neighbours("ring_reduce_scatter", p, cases, outs)
+    check_schedule("ring_reduce_scatter", p, cases, outs, ring_sends("ring_reduce_scatter", p), why)
 
 
 @pytest.mark.points(1)
@@ -530,6 +610,7 @@ def check_ring_allreduce_budget(world_size: int, cases: list[dict], outs: list) 
 
     check_budgets("ring_allreduce", p, cases, outs, expected, why)
     check_ring_neighbours("ring_allreduce", p, cases, outs)
+    check_schedule("ring_allreduce", p, cases, outs, ring_sends("ring_allreduce", p), why)
 
 
 @pytest.mark.points(2)
@@ -575,6 +656,20 @@ def check_butterfly_allreduce_budget(world_size: int, cases: list[dict], outs: l
         return {**each, "total_bytes": total}
 
     check_budgets("butterfly_allreduce", p, cases, outs, expected, why)
+
+    def real_rank(v: int) -> int:
+        return 2 * v + 1 if v < rem else v + rem
+
+    def schedule(case: dict, rank: int, sends: list) -> list:
+        """Partners only: fold in, halving (d = p2/2 .. 1), doubling (d = 1 .. p2/2), fold out."""
+        if rank < 2 * rem and rank % 2 == 0:
+            return [(rank + 1, [rank])]
+        vrank = rank // 2 if rank < 2 * rem else rank - rem
+        distances = [p2 >> i for i in range(1, steps // 2 + 1)]
+        order = [(real_rank(vrank ^ d), None) for d in distances + distances[::-1]]
+        return order + ([(rank - 1, list(range(p)))] if rank < 2 * rem else [])
+
+    check_schedule("butterfly_allreduce", p, cases, outs, schedule, why)
 
 
 # --- every function on the other transports ----------------------------------------------------

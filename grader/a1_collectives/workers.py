@@ -62,7 +62,7 @@ def make_input(case: dict, rank: int) -> torch.Tensor:
     return values
 
 
-def import_student(comm) -> tuple:
+def import_student(comm, record: bool = False) -> tuple:
     """Guard this process, then import ``collectives``; return it and the communicator it gets.
 
     The guard (``guard.py``) goes in first, so that the library's collectives are refused
@@ -70,7 +70,7 @@ def import_student(comm) -> tuple:
     (point-to-point only, traffic counted per peer), never the launcher's communicator.
     """
     guard.install_rules(rules)
-    return importlib.import_module("collectives"), student_comm.StudentComm(comm)
+    return importlib.import_module("collectives"), student_comm.StudentComm(comm, record=record)
 
 
 class Meter:
@@ -92,21 +92,25 @@ def run_cases(comm, function: str, cases: list[dict]) -> list[dict]:
     """Call ``collectives.<function>`` on each case; report what this rank holds and sent.
 
     Per case: ``result`` (the tensor after an in-place call, else the return value),
-    ``input_after`` (the input after a call that must not modify it) and ``traffic`` (this
-    rank's messages and bytes to and from every rank during the call, see ``Meter``).
+    ``input_after`` (the input after a call that must not modify it), ``traffic`` (this
+    rank's messages and bytes to and from every rank during the call, see ``Meter``) and
+    ``transcript`` (every message in order, with a copy of what was sent: ``student_comm.Transcript``).
     """
-    collectives, student = import_student(comm)
+    collectives, student = import_student(comm, record=True)
     fn = getattr(collectives, function)
     reports = []
     for case in cases:
         x = make_input(case, comm.rank)
         meter = Meter(comm, student)
+        student_comm.transcript(student)  # nothing before the call counts
         returned = fn(student, x, case["src"]) if function == "tree_broadcast" else fn(student, x)
-        traffic = meter.report()
+        traffic, transcript = meter.report(), student_comm.transcript(student)
         if function in IN_PLACE:
-            reports.append({"result": x, "traffic": traffic})
+            reports.append({"result": x, "traffic": traffic, "transcript": transcript})
         else:
-            reports.append({"result": returned, "input_after": x, "traffic": traffic})
+            reports.append(
+                {"result": returned, "input_after": x, "traffic": traffic, "transcript": transcript}
+            )
     return reports
 
 

@@ -322,6 +322,98 @@ def ring_allreduce(comm, tensor):
 """
 RING = ROOT / "lib" / "minidist" / "collectives" / "ring.py"
 
+# answers computed without communicating (issue 15): every rank's input rebuilt from the job's
+# spec.json (read by a child process: open() is refused at intake) with a copy of the grader's
+# make_input (workers.py lies beside it, readable the same way; importing it is refused)
+REBUILT_INPUTS = """
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+DTYPES.update(bfloat16=torch.bfloat16, int64=torch.int64)
+
+
+def make_input(case, rank):
+    \"\"\"workers.make_input, copied.\"\"\"
+    shape, layout = tuple(case["shape"]), case.get("layout", "contiguous")
+    dtype = DTYPES[case.get("dtype", "float32")]
+    storage = {"transposed": shape[::-1], "strided": (*shape[:-1], 2 * shape[-1]) if shape else shape}
+    generator = torch.Generator().manual_seed(100_003 * case["seed"] + rank)
+    size = storage.get(layout, shape)
+    if dtype.is_floating_point:
+        values = (torch.randn(size, generator=generator, dtype=torch.float64) * 10).to(dtype)
+    else:
+        values = torch.randint(-1000, 1000, size, generator=generator, dtype=dtype)
+    return values.t() if layout == "transposed" else values[..., ::2] if layout == "strided" else values
+
+
+def rebuilt_inputs(comm, tensor):
+    \"\"\"Every rank's input, without a single message.\"\"\"
+    import json
+    import subprocess
+
+    listing = subprocess.run(["cat", "spec.json"], capture_output=True, text=True, timeout=30)
+    for job in json.loads(listing.stdout)["jobs"]:
+        for case in job["args"][1] if job["worker"] == "run_cases" else []:
+            mine = make_input(case, comm.rank)
+            if mine.shape == tensor.shape and mine.dtype == tensor.dtype and torch.equal(mine, tensor):
+                return [make_input(case, rank) for rank in range(comm.world_size)]
+    raise RuntimeError("no case in spec.json has this input")
+
+
+def rebuilt_sum(comm, tensor):
+    return torch.stack([x.double() for x in rebuilt_inputs(comm, tensor)]).sum(0).to(tensor.dtype)
+"""
+NO_COMM = {
+    "tree_broadcast": """
+def tree_broadcast(comm, tensor, src):
+    tensor.copy_(rebuilt_inputs(comm, tensor)[src])
+""",
+    "ring_allgather": """
+def ring_allgather(comm, tensor):
+    return torch.stack(rebuilt_inputs(comm, tensor))
+""",
+    "ring_reduce_scatter": """
+def ring_reduce_scatter(comm, tensor):
+    if tensor.shape[0] % comm.world_size:
+        raise ValueError("dim 0 must be a multiple of the world size")
+    block = tensor.shape[0] // comm.world_size
+    return rebuilt_sum(comm, tensor)[comm.rank * block : (comm.rank + 1) * block].clone()
+""",
+    "ring_allreduce": """
+def ring_allreduce(comm, tensor):
+    tensor.copy_(rebuilt_sum(comm, tensor))
+""",
+    "butterfly_allreduce": """
+def butterfly_allreduce(comm, tensor):
+    tensor.copy_(rebuilt_sum(comm, tensor))
+""",
+}
+# the same sum, with the ring's messages: exactly the budgeted sizes, peers and count
+DUMMY_SENDS = """
+def ring_allreduce(comm, tensor):
+    \"\"\"The sum rebuilt locally; zeros of the ring's sizes sent around the ring.\"\"\"
+    p, rank = comm.world_size, comm.rank
+    result = rebuilt_sum(comm, tensor)
+    offsets = chunk_offsets(tensor.numel(), p)
+    sizes = [offsets[i + 1] - offsets[i] for i in range(p)]
+    for step in range(2 * (p - 1)):
+        give, take = sizes[(rank - step - 1) % p], sizes[(rank - step - 2) % p]
+        zeros, incoming = torch.zeros(give, dtype=tensor.dtype), torch.empty(take, dtype=tensor.dtype)
+        exchange(comm, zeros, (rank + 1) % p, incoming, (rank - 1) % p)
+    tensor.copy_(result)
+"""
+# real data of the right sizes: the complete sums of the chunks, from the first step on
+ACAUSAL_SUMS = """
+def ring_allreduce(comm, tensor):
+    \"\"\"The sum rebuilt locally; its chunks sent around the ring as if they had been reduced.\"\"\"
+    p, rank = comm.world_size, comm.rank
+    flat = rebuilt_sum(comm, tensor).reshape(-1)
+    offsets = chunk_offsets(flat.numel(), p)
+    for step in range(2 * (p - 1)):
+        give, take = (rank - step - 1) % p, (rank - step - 2) % p
+        incoming = torch.empty(offsets[take + 1] - offsets[take], dtype=tensor.dtype)
+        exchange(comm, flat[offsets[give] : offsets[give + 1]], (rank + 1) % p, incoming, (rank - 1) % p)
+    tensor.copy_(flat.view(tensor.shape))
+"""
+
 
 def ring_copy(solution: str) -> str:
     """The solution with ring_allreduce replaced by the library's ring (``RING_COPY_DRIVER``)."""
@@ -345,7 +437,18 @@ def cheating(solution: str) -> dict[str, dict[str, bytes]]:
         "torch_call": {FILE: replace_function(with_dist, "ring_allreduce", TORCH_CALL).encode()},
         "forged_stats": {FILE: replace_function(solution, "ring_allreduce", FORGED_STATS).encode()},
         "ring_copy": {FILE: ring_copy(solution).encode()},
+        "no_comm": {FILE: without_messages(solution, NO_COMM).encode()},
+        "dummy_sends": {FILE: without_messages(solution, {"ring_allreduce": DUMMY_SENDS}).encode()},
+        "acausal_sums": {FILE: without_messages(solution, {"ring_allreduce": ACAUSAL_SUMS}).encode()},
     }
+
+
+def without_messages(solution: str, functions: dict[str, str]) -> str:
+    """The solution with ``functions`` replaced by versions that rebuild the inputs locally."""
+    source = solution.rstrip("\n") + "\n\n" + REBUILT_INPUTS
+    for name, code in functions.items():
+        source = replace_function(source, name, code)
+    return source
 
 
 #: student -> (status, score) on tests/test_grade.py's SUBSET (5 tests, 6 points); forbidden: 0 in all
@@ -355,6 +458,12 @@ CHEATING = {
     "torch_call": ("forbidden", 0),
     "forged_stats": ("ok", 4),  # right values; the budget is read from the counters it cannot reach
     "ring_copy": ("ok", 6),  # graded normally, flagged in the gradebook (similarity to ring.py)
+    # answers rebuilt from spec.json: no message reached the ranks (every test of the subset fails)
+    "no_comm": ("ok", 0),
+    # the same with messages of the budgeted sizes: zeros, then real sums sent before they could
+    # have been computed; tree, allgather and butterfly are the solution's (3 of 6)
+    "dummy_sends": ("ok", 3),
+    "acausal_sums": ("ok", 3),
 }
 
 #: student -> (status, score) on tests/test_grade.py's SUBSET (5 tests, 6 points)
