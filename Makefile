@@ -7,6 +7,9 @@ STAMP  := $(VENV)/.minidist-installed
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 LAB_DIR ?= notebooks
 NBVAL  := --nbval --nbval-current-env --nbval-cell-timeout=300
+# pytest with the course's pretrained decoder training beside it (a no-op when it is cached):
+# on a clean cache its ~4 minutes overlap with the tests before the first one that needs it.
+PYTEST_PRETRAINING := $(PY) scripts/with_pretrained_decoder.py -- $(PYTEST)
 
 .PHONY: help setup lab test test-browser test-lib notebooks lint format bench clean release release-check grade
 
@@ -42,7 +45,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 
 test: lint release-check
-	$(PYTEST) tests notebooks solutions $(NBVAL) $(PYTEST_ARGS)
+	$(PYTEST_PRETRAINING) tests notebooks solutions $(NBVAL) $(PYTEST_ARGS)
 
 # JupyterLab in headless Chromium, as a student uses it (tests/browser). Chromium comes from
 # the system's packages (apt-get when run as root; else install it yourself), never downloaded.
@@ -54,7 +57,7 @@ test-browser: $(STAMP)
 	$(PYTEST) -m browser tests/browser $(PYTEST_ARGS)
 
 test-lib: $(STAMP)
-	$(PYTEST) tests --ignore=tests/browser $(PYTEST_ARGS)
+	$(PYTEST_PRETRAINING) tests --ignore=tests/browser $(PYTEST_ARGS)
 
 notebooks: $(STAMP)
 	$(PYTEST) notebooks solutions $(NBVAL) $(PYTEST_ARGS)

@@ -13,17 +13,21 @@ from __future__ import annotations
 import collections
 import dataclasses
 import fcntl
+import importlib.util
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
+from conftest import wait_until
 from minidist import data, quant
 from minidist.data import lm
 from minidist.models import decoder, pretrained, shards
@@ -396,3 +400,146 @@ def test_load_refuses_a_cache_of_another_config_or_tokenizer(tiny_recipe, monkey
     (directory / pretrained.TRAINING_INFO).write_text(json.dumps({**info, "tokenizer_sha256": "0" * 64}))
     with pytest.raises(ValueError, match=f"another tokenizer.*delete the folder {directory}"):
         pretrained.load(tiny_recipe)
+
+
+# ---------------------------------------------------------------- training beside pytest
+# scripts/with_pretrained_decoder.py (what `make test` runs): the background run is the real
+# `python -m minidist.models.pretrained --ensure course`, kept from training by the cache it is
+# given (a finished-looking checkpoint, a folder it refuses, or a lock this test holds).
+
+WRAPPER = REPO / "scripts" / "with_pretrained_decoder.py"
+COURSE_DIR = f"decoder-course-v{pretrained.RECIPES['course'].version}"
+
+
+def _wrapper_module():
+    spec = importlib.util.spec_from_file_location("with_pretrained_decoder", WRAPPER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _background_runs(cache: Path) -> list[psutil.Process]:
+    """Live `--ensure` runs whose MINIDIST_CACHE is ``cache`` (only this test's, not a real one)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if "minidist.models.pretrained" not in (proc.info["cmdline"] or []):
+                continue
+            alive = proc.info["status"] != psutil.STATUS_ZOMBIE
+            if alive and proc.environ().get("MINIDIST_CACHE") == str(cache):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+# A command that ends once the background run has (so that the test knows which way it ended).
+AFTER_THE_RUN = textwrap.dedent(
+    """
+    import os, sys, time, psutil
+
+    def running():
+        for proc in psutil.process_iter(["cmdline"]):
+            try:
+                if "minidist.models.pretrained" in (proc.info["cmdline"] or []) and proc.environ().get(
+                    "MINIDIST_CACHE"
+                ) == os.environ["MINIDIST_CACHE"] and proc.status() != psutil.STATUS_ZOMBIE:
+                    return True
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                pass
+        return False
+
+    deadline = time.monotonic() + 100
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    print("CACHE", os.environ["MINIDIST_CACHE"], flush=True)
+    sys.exit(int(sys.argv[1]))
+    """
+)
+
+
+def test_cli_and_wrapper_keep_the_command_status_and_share_its_cache(tmp_path):
+    cache = tmp_path / "cache"
+    (cache / COURSE_DIR).mkdir(parents=True)
+    (cache / COURSE_DIR / shards.INDEX_NAME).write_text("{}")  # "cached": nothing to train
+    env = {**os.environ, "MINIDIST_CACHE": str(cache)}
+    result = subprocess.run(
+        [sys.executable, str(WRAPPER), "--", sys.executable, "-c", AFTER_THE_RUN, "3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 3, result.stdout + result.stderr  # the command's status, not the run's
+    assert f"CACHE {cache}\n" in result.stdout
+    # the background run looked in the command's cache, found the model and said so
+    last = result.stdout.strip().splitlines()[-1]
+    assert last == f"pretrained 'course': already cached in {cache / COURSE_DIR}"
+    usage = subprocess.run([sys.executable, WRAPPER, "pytest"], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and "usage: with_pretrained_decoder.py -- COMMAND" in usage.stderr
+    unknown = subprocess.run(
+        [sys.executable, "-m", "minidist.models.pretrained", "--ensure", "gpt5"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert unknown.returncode == 2 and "unknown pretrained model 'gpt5'" in unknown.stderr
+
+
+def test_a_failed_background_run_is_reported_and_the_command_decides(tmp_path, monkeypatch, capsys):
+    cache = tmp_path / "cache"
+    (cache / COURSE_DIR).mkdir(parents=True)
+    (cache / COURSE_DIR / "notes.txt").write_text("not a checkpoint")  # checkpoint_dir refuses it
+    monkeypatch.setenv("MINIDIST_CACHE", str(cache))
+    assert _wrapper_module().run([sys.executable, "-c", AFTER_THE_RUN, "0"]) == 0
+    out = capsys.readouterr().out
+    assert "background training of the pretrained decoder FAILED (exit status 1)" in out
+    assert "holds no model.safetensors.index.json" in out  # its log, with the reason
+    assert not _background_runs(cache)
+
+
+def test_a_background_run_is_stopped_at_its_timeout_or_when_the_command_ends(tmp_path, monkeypatch, capfd):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("MINIDIST_CACHE", str(cache))
+    wrapper = _wrapper_module()
+    with open(cache / f".{COURSE_DIR}.lock", "w") as held:  # "another process is training": it waits
+        fcntl.flock(held, fcntl.LOCK_EX)
+        # the command outlives the run's time limit: the run is stopped then, the command goes on
+        monkeypatch.setattr(wrapper, "TIMEOUT_S", 2)
+        assert wrapper.run([sys.executable, "-c", "import time; time.sleep(6); print('done')"]) == 0
+        out = capfd.readouterr().out
+        assert "done" in out and "stopped after 2 s" in out
+        assert not _background_runs(cache)
+        # the command ends first: the run is stopped with it
+        monkeypatch.setattr(wrapper, "TIMEOUT_S", 600)
+        assert wrapper.run([sys.executable, "-c", "pass"]) == 0
+        assert "stopped unfinished (the command ended first" in capfd.readouterr().out
+        assert not _background_runs(cache)
+    assert sorted(p.name for p in cache.iterdir()) == [f".{COURSE_DIR}.lock"]  # it trained nothing
+
+
+def test_a_killed_wrapper_takes_its_background_run_along(tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    env = {**os.environ, "MINIDIST_CACHE": str(cache)}
+    with open(cache / f".{COURSE_DIR}.lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        wrapper = subprocess.Popen(
+            [sys.executable, str(WRAPPER), "--", sys.executable, "-c", "import time; time.sleep(120)"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,  # the wrapper and its command; the run has its own session
+        )
+        try:
+            assert wait_until(lambda: len(_background_runs(cache)) == 1, timeout=60)
+            (run,) = _background_runs(cache)
+            assert run.nice() == psutil.Process().nice() + 10  # runs at a lower priority than the tests
+            os.killpg(wrapper.pid, signal.SIGKILL)  # no chance to clean up: the kernel must
+            wrapper.wait(timeout=30)
+            assert wait_until(lambda: not _background_runs(cache), timeout=30)
+        finally:
+            if wrapper.poll() is None:
+                os.killpg(wrapper.pid, signal.SIGKILL)
+                wrapper.wait()

@@ -459,3 +459,41 @@ def perplexity_by_format(
             }
         )
     return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m minidist.models.pretrained --ensure [NAME]``: make sure NAME is in the cache.
+
+    Trains and caches the model when ``$MINIDIST_CACHE`` has none (waiting on the lock if
+    another process is training it), returns at once when it is there. ``make test`` runs this
+    beside pytest (``scripts/with_pretrained_decoder.py``) so that the training overlaps with
+    the tests that come before the first one needing the model.
+    """
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m minidist.models.pretrained", description="Train and cache a pretrained decoder."
+    )
+    parser.add_argument(
+        "--ensure",
+        metavar="NAME",
+        nargs="?",
+        const="course",
+        required=True,
+        help=f"train NAME unless $MINIDIST_CACHE has it (default course; one of {sorted(RECIPES)})",
+    )
+    args = parser.parse_args(argv)
+    if args.ensure not in RECIPES:
+        parser.error(f"unknown pretrained model {args.ensure!r}: use one of {sorted(RECIPES)}")
+    cached = (_cache_path(args.ensure) / shards.INDEX_NAME).exists()
+    start = time.perf_counter()
+    directory = checkpoint_dir(args.ensure)
+    if cached:
+        print(f"pretrained {args.ensure!r}: already cached in {directory}", flush=True)
+    else:
+        print(f"pretrained {args.ensure!r}: ready in {directory} after {time.perf_counter() - start:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
