@@ -150,7 +150,8 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] != "--" or len(argv) < 2:
         print(f"usage: {Path(sys.argv[0]).name} -- COMMAND [ARGS...]", file=sys.stderr)
         return 2
-    return run(argv[1:])
+    returncode = run(argv[1:])
+    return 128 - returncode if returncode < 0 else returncode  # killed by signal N: 128 + N, as a shell says
 
 
 if __name__ == "__main__":
