@@ -138,6 +138,7 @@ def config_digest(name: str, args: argparse.Namespace, seed_key: str) -> str:
     options = {"tests": args.tests, "test_timeout": args.test_timeout, "timeout": args.timeout}
     # a tighter limit can fail a test that passed: another limit must grade again on resume
     options |= {"memory": args.sandbox_memory, "disk": args.sandbox_disk, "pids": args.sandbox_pids}
+    options["no_isolation"] = bool(getattr(args, "no_isolation", False))  # isolated runs share no state
     h.update(json.dumps(options, sort_keys=True).encode() + seed_key.encode())
     return h.hexdigest()
 

@@ -75,7 +75,8 @@ def test_bad_process_counts_are_refused_with_what_to_write(text, capsys):
 
 
 def test_every_limit_is_part_of_the_configuration_digest():
-    """Equal options give equal digests; changing any one limit gives another (resume regrades)."""
+    """Equal options give equal digests; changing any one limit, or isolation, gives another (resume
+    regrades)."""
     base = grade.config_digest("a1_collectives", parse(), "key")
     assert grade.config_digest("a1_collectives", parse(), "key") == base
     assert grade.config_digest("a1_collectives", parse("--sandbox-memory", "6G"), "key") == base
@@ -83,9 +84,10 @@ def test_every_limit_is_part_of_the_configuration_digest():
         parse("--sandbox-memory", "64M"),
         parse("--sandbox-disk", "1G"),
         parse("--sandbox-pids", "100"),
+        parse("--no-isolation"),
     ]
     digests = {grade.config_digest("a1_collectives", args, "key") for args in changed}
-    assert len(digests) == 3 and base not in digests
+    assert len(digests) == 4 and base not in digests
 
 
 @pytest.mark.skipif(
