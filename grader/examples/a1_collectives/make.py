@@ -14,8 +14,11 @@
   the ones that cheat (``CHEATING``): a call of ``md.allreduce`` (refused at intake), the same
   function reached through another module that imports it (``data_parallel.allreduce``: the
   intake check cannot resolve it, the run time guard refuses the call), ``torch.distributed``'s
-  allreduce, a gather-and-broadcast allreduce that forges ``comm.stats``, and a copy of
-  ``lib/minidist/collectives/ring.py`` (graded normally, flagged for the instructor).
+  allreduce, a gather-and-broadcast allreduce that forges ``comm.stats``, a copy of
+  ``lib/minidist/collectives/ring.py`` (graded normally, flagged for the instructor), and three
+  that rebuild every rank's input from the job's ``spec.json`` instead of communicating:
+  ``no_comm`` (no messages), ``dummy_sends`` (zeros of the ring's sizes) and ``acausal_sums``
+  (real sums, sent before their data could have arrived) -- the message transcripts fail them.
 
 The submissions are generated from ``solutions/`` and ``assignments/`` (so they follow the
 assignment when it changes) plus the short snippets below; zips are built here, none is
