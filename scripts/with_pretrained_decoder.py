@@ -87,8 +87,9 @@ def run(command: list[str]) -> int:
         timed_out = threading.Event()
 
         def on_timeout() -> None:
-            timed_out.set()
-            stop(training)
+            if training.poll() is None:  # a run that finished long ago did not time out
+                timed_out.set()
+                stop(training)
 
         watchdog = threading.Timer(TIMEOUT_S, on_timeout)
         watchdog.daemon = True

@@ -487,6 +487,20 @@ def test_cli_and_wrapper_keep_the_command_status_and_share_its_cache(tmp_path):
     assert unknown.returncode == 2 and "unknown pretrained model 'gpt5'" in unknown.stderr
 
 
+def test_a_run_that_finished_is_not_reported_as_timed_out(tmp_path, monkeypatch, capfd):
+    """The command outlives the time limit, the background run ended long before it (CI printed
+    "stopped after 1200 s" for a model that was ready after 258 s)."""
+    cache = tmp_path / "cache"
+    (cache / COURSE_DIR).mkdir(parents=True)
+    (cache / COURSE_DIR / shards.INDEX_NAME).write_text("{}")  # cached: the run returns at once
+    monkeypatch.setenv("MINIDIST_CACHE", str(cache))
+    wrapper = _wrapper_module()
+    monkeypatch.setattr(wrapper, "TIMEOUT_S", 3)
+    assert wrapper.run([sys.executable, "-c", "import time; time.sleep(8)"]) == 0
+    out = capfd.readouterr().out
+    assert "stopped after" not in out and "already cached" in out
+
+
 def test_a_failed_background_run_is_reported_and_the_command_decides(tmp_path, monkeypatch, capsys):
     cache = tmp_path / "cache"
     (cache / COURSE_DIR).mkdir(parents=True)
