@@ -51,12 +51,13 @@ class Ranks:
         return [recorder.take() for recorder in self.recorders]
 
 
-def ring_allreduce(xs: list[torch.Tensor], payload=None) -> list[dict]:
-    """The textbook ring (reduce-scatter, then allgather, over chunk_offsets); ``payload(step,
-    rank, chunk)`` may replace what is sent (the cheats)."""
+def ring_allreduce(xs: list[torch.Tensor], payload=None, offsets=None) -> list[dict]:
+    """The textbook ring (reduce-scatter, then allgather, over chunk_offsets, or over the chunk
+    boundaries ``offsets`` given); ``payload(step, rank, chunk)`` may replace what is sent (the cheats)."""
     p, ranks = len(xs), Ranks(len(xs))
     flats = [x.reshape(-1).clone() for x in xs]
-    offsets = [i * (flats[0].numel() // p) + min(i, flats[0].numel() % p) for i in range(p + 1)]
+    if offsets is None:
+        offsets = [i * (flats[0].numel() // p) + min(i, flats[0].numel() % p) for i in range(p + 1)]
 
     def chunk(rank: int, i: int) -> torch.Tensor:
         return flats[rank][offsets[i] : offsets[i + 1]]
@@ -79,7 +80,8 @@ def ring_allreduce(xs: list[torch.Tensor], payload=None) -> list[dict]:
 
 
 def replay(function: str, transcripts: list[dict], xs=None, src=None):
-    return transcript.replay(function, P, "test", transcripts, xs or inputs(), src)
+    xs = xs or inputs()
+    return transcript.replay(function, len(xs), "test", transcripts, xs, src)
 
 
 def refused(function: str, transcripts: list[dict], xs=None, src=None) -> str:
@@ -163,3 +165,29 @@ def test_small_integer_messages_that_match_several_sums_do_not_fail_a_correct_ri
     case = {"shape": (6,), "seed": 3, "dtype": "int64", "layout": "strided"}
     xs = inputs(case)
     replay("ring_allreduce", ring_allreduce(xs), xs)
+
+
+def test_a_ring_cut_at_unusual_boundaries_passes_on_a_large_tensor():
+    """Partial sums at offsets no candidate list holds, on the largest a1 test (6 ranks, 1,000,003
+    elements: 63 subsets x 1e6 offsets): found by the exhaustive search, whose first hit per cut
+    is then found among the candidates (one search per boundary, not per message)."""
+    p, n = 6, 1_000_003
+    xs = inputs({"shape": (n,), "seed": 3}, p)
+    cuts = [0, 1, 171_717, 333_333, 600_001, 999_990, n]  # a legitimate, if odd, choice of chunks
+    unusual = set(cuts[1:-1]) - set(transcript.candidate_offsets(n, p))
+    assert unusual == set(cuts[1:-1])
+    searches = []
+    original = transcript.Identifier._search
+
+    def counted(self, values):
+        searches.append(values.numel())
+        return original(self, values)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transcript.Identifier, "_search", counted)
+        ranks = replay("ring_allreduce", ring_allreduce(xs, offsets=cuts), xs)
+    assert 0 < len(searches) <= len(cuts) - 1, searches  # messages: 2 (p - 1) p = 60
+    for messages in ranks:
+        sends = [m for m in messages if m.op == "send"]
+        assert len(sends) == 2 * (p - 1) and all(m.match for m in sends)
+        assert sorted(transcript.ranks_of(sends[-1].match[0][0])) == list(range(p))

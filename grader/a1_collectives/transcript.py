@@ -58,7 +58,8 @@ DTYPES = {
     )
 }
 SAMPLE = 16  # elements of a message compared first, against every candidate (offset, W)
-MAX_SEARCH = 20_000_000  # subset x offset pairs of the exhaustive search for an unusual slice
+MAX_SEARCH = 100_000_000  # subset x offset pairs of the exhaustive search for an unusual slice
+SEARCH_BLOCK = 2_000_000  # subset x offset pairs computed at once in that search (memory)
 ORDINALS = {1: "st", 2: "nd", 3: "rd"}
 
 
@@ -156,6 +157,7 @@ class Identifier:
         self.sizes = self.A.sum(1)
         self.offsets = candidate_offsets(self.n, self.p)
         self._cache: dict[int, tuple] = {}
+        self.searches = 0  # exhaustive searches run (each learns the offsets it finds)
 
     def _at_candidates(self, length: int) -> tuple:
         """Per length: the sample positions, the candidate offsets, and every subset's sums there."""
@@ -198,21 +200,43 @@ class Identifier:
         return found or self._search(values)
 
     def _search(self, values: torch.Tensor) -> list[tuple[int, int, int]]:
-        """An unusual slice: every offset, for the single inputs and the full sum (every subset
-        when that is cheap enough)."""
+        """An unusual slice: every offset, for every subset (in blocks, to bound memory).
+
+        An offset found here joins the candidate offsets, so the next message cut at the same
+        boundary (an implementation cuts every message of a step the same way) is found at once.
+        Only past ``MAX_SEARCH`` pairs (more than 8 ranks on a large tensor; no a1 test has one)
+        is the search narrowed to the single inputs and the full sum.
+        """
+        self.searches += 1
         length, starts = values.numel(), self.n - values.numel() + 1
         rows = torch.arange(len(self.masks))
         if len(rows) * starts > MAX_SEARCH:
             rows = torch.tensor([r for r in range(len(self.masks)) if self.sizes[r] in (1, self.p)])
-        first = self.A[rows] @ self.X[:, :starts]
-        tol = (
-            self.sizes[rows, None] * self.eps * (self.A[rows] @ self.absX[:, :starts])
-            + self.eps * first.abs()
-        )
-        found = []
-        for r, o in ((first - values[0]).abs() <= tol + 1e-300).nonzero().tolist()[:16]:
-            if self._verify(int(rows[r]), o, values):
-                found.append((int(self.masks[rows[r]]), o, length))
+        A, block = self.A[rows], max(1, SEARCH_BLOCK // len(rows))
+        others = sorted({0, length // 2, length - 1})  # checked where the first element may match
+        # a first, cheap filter: one bound, twice over, on any subset's tolerance at any element
+        # (|W| eps sum|x_w| + eps |sum| <= (p + 1) eps sum_w max|x_w|); each candidate's own follows
+        loose = 2 * (self.p + 1) * self.eps * float(self.absX.amax(1).sum())
+        found: list[tuple[int, int, int]] = []
+        for lo in range(0, starts, block):
+            hi = min(starts, lo + block)
+            first = A @ self.X[:, lo:hi]
+            first.sub_(values[0]).abs_()
+            r, o = (first <= loose + 1e-300).nonzero().unbind(1)
+            del first
+            for j in others:  # the exact tolerance; small integers match the first element in many places
+                at = self.X[:, lo + o + j].T  # candidates x p
+                sums = (A[r] * at).sum(1)
+                bound = self.sizes[rows[r]] * self.eps * (A[r] * at.abs()).sum(1) + self.eps * sums.abs()
+                keep = (sums - values[j]).abs() <= bound + 1e-300
+                r, o = r[keep], o[keep]
+            for row, offset in zip(rows[r][:64].tolist(), (lo + o[:64]).tolist()):
+                if len(found) < 64 and self._verify(row, offset, values):
+                    found.append((int(self.masks[row]), offset, length))
+        learned = {o for _, o, _ in found} - set(self.offsets)
+        if learned:
+            self.offsets = sorted({*self.offsets, *learned})
+            self._cache.clear()
         return found
 
 
