@@ -10,6 +10,7 @@ that contradict each other. The real runs of the same cheats are graded in tests
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -51,9 +52,10 @@ class Ranks:
         return [recorder.take() for recorder in self.recorders]
 
 
-def ring_allreduce(xs: list[torch.Tensor], payload=None, offsets=None) -> list[dict]:
+def ring_allreduce(xs: list[torch.Tensor], payload=None, offsets=None, segment=None) -> list[dict]:
     """The textbook ring (reduce-scatter, then allgather, over chunk_offsets, or over the chunk
-    boundaries ``offsets`` given); ``payload(step, rank, chunk)`` may replace what is sent (the cheats)."""
+    boundaries ``offsets`` given; each chunk sent in pieces of ``segment`` elements if given);
+    ``payload(step, rank, chunk)`` may replace what is sent (the cheats)."""
     p, ranks = len(xs), Ranks(len(xs))
     flats = [x.reshape(-1).clone() for x in xs]
     if offsets is None:
@@ -67,11 +69,14 @@ def ring_allreduce(xs: list[torch.Tensor], payload=None, offsets=None) -> list[d
         for rank in range(p):
             i = (rank - step - 1) % p if step < p - 1 else (rank - (step - p + 1)) % p
             data = chunk(rank, i).clone() if payload is None else payload(step, rank, i, offsets)
-            ranks.send(rank, (rank + 1) % p, data)
-            outgoing.append((i, data))
+            pieces = [data] if segment is None else list(data.split(segment))
+            for piece in pieces:
+                ranks.send(rank, (rank + 1) % p, piece)
+            outgoing.append((i, data, pieces))
         for rank in range(p):  # all sends of a step are posted before the receives complete
-            i, data = outgoing[(rank - 1) % p]
-            ranks.receive(rank, (rank - 1) % p, data)
+            i, data, pieces = outgoing[(rank - 1) % p]
+            for piece in pieces:
+                ranks.receive(rank, (rank - 1) % p, piece)
             if step < p - 1:
                 chunk(rank, i).add_(data)
             else:
@@ -167,6 +172,20 @@ def test_small_integer_messages_that_match_several_sums_do_not_fail_a_correct_ri
     replay("ring_allreduce", ring_allreduce(xs), xs)
 
 
+@contextlib.contextmanager
+def counted_searches():
+    """The lengths of the messages the replay had to search for at every offset."""
+    searches, original = [], transcript.Identifier._search
+
+    def counted(self, values):
+        searches.append(values.numel())
+        return original(self, values)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(transcript.Identifier, "_search", counted)
+        yield searches
+
+
 def test_a_ring_cut_at_unusual_boundaries_passes_on_a_large_tensor():
     """Partial sums at offsets no candidate list holds, on the largest a1 test (6 ranks, 1,000,003
     elements: 63 subsets x 1e6 offsets): found by the exhaustive search, whose first hit per cut
@@ -176,18 +195,22 @@ def test_a_ring_cut_at_unusual_boundaries_passes_on_a_large_tensor():
     cuts = [0, 1, 171_717, 333_333, 600_001, 999_990, n]  # a legitimate, if odd, choice of chunks
     unusual = set(cuts[1:-1]) - set(transcript.candidate_offsets(n, p))
     assert unusual == set(cuts[1:-1])
-    searches = []
-    original = transcript.Identifier._search
-
-    def counted(self, values):
-        searches.append(values.numel())
-        return original(self, values)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(transcript.Identifier, "_search", counted)
+    with counted_searches() as searches:
         ranks = replay("ring_allreduce", ring_allreduce(xs, offsets=cuts), xs)
     assert 0 < len(searches) <= len(cuts) - 1, searches  # messages: 2 (p - 1) p = 60
     for messages in ranks:
         sends = [m for m in messages if m.op == "send"]
         assert len(sends) == 2 * (p - 1) and all(m.match for m in sends)
         assert sorted(transcript.ranks_of(sends[-1].match[0][0])) == list(range(p))
+
+
+def test_a_ring_that_sends_each_chunk_in_segments_passes_without_searching():
+    """A pipelined ring (each chunk in pieces of 1,000 elements, 1,020 messages): every piece
+    starts where the previous one ended, which the replay learns, so none needs a search."""
+    p, n = 6, 100_003
+    xs = inputs({"shape": (n,), "seed": 4}, p)
+    with counted_searches() as searches:
+        ranks = replay("ring_allreduce", ring_allreduce(xs, segment=1000), xs)
+    assert searches == []
+    sends = [m for m in ranks[0] if m.op == "send"]
+    assert len(sends) == 2 * (p - 1) * 17 and all(m.match for m in sends)

@@ -156,8 +156,8 @@ class Identifier:
         self.A = ((self.masks[:, None] >> torch.arange(self.p)) & 1).double()  # subsets x ranks
         self.sizes = self.A.sum(1)
         self.offsets = candidate_offsets(self.n, self.p)
+        self._known = set(self.offsets)
         self._cache: dict[int, tuple] = {}
-        self.searches = 0  # exhaustive searches run (each learns the offsets it finds)
 
     def _at_candidates(self, length: int) -> tuple:
         """Per length: the sample positions, the candidate offsets, and every subset's sums there."""
@@ -201,17 +201,32 @@ class Identifier:
                 for o, row in pairs[:64]
                 if self._verify(row, int(offsets[o]), values)
             ]
-        return found or self._search(values)
+        found = found or self._search(values)
+        self._learn(found)
+        return found
+
+    def _learn(self, found: list[tuple[int, int, int]]) -> None:
+        """Where a message was found to start and end become candidate offsets: the next message
+        cut at the same boundary, or the next segment of a chunk sent in pieces, is then found
+        among the candidates, with no search. (Messages that match at several offsets -- tiny
+        ones of small integers -- teach nothing.)"""
+        if len({offset for _, offset, _ in found}) != 1:
+            return
+        _, offset, length = found[0]
+        new = {o for o in (offset, offset + length) if o < self.n} - self._known
+        if new:
+            self._known |= new
+            self.offsets = sorted(self._known)
+            self._cache.clear()
 
     def _search(self, values: torch.Tensor) -> list[tuple[int, int, int]]:
         """An unusual slice: every offset, for every subset (in blocks, to bound memory).
 
-        An offset found here joins the candidate offsets, so the next message cut at the same
-        boundary (an implementation cuts every message of a step the same way) is found at once.
-        Only past ``MAX_SEARCH`` pairs (more than 8 ranks on a large tensor; no a1 test has one)
-        is the search narrowed to the single inputs and the full sum.
+        What it finds joins the candidate offsets (``_learn``), so an implementation that cuts
+        at unusual boundaries pays one search per boundary, not one per message. Only past
+        ``MAX_SEARCH`` pairs (more than 8 ranks on a large tensor; no a1 test has one) is the
+        search narrowed to the single inputs and the full sum.
         """
-        self.searches += 1
         length, starts = values.numel(), self.n - values.numel() + 1
         rows = torch.arange(len(self.masks))
         if len(rows) * starts > MAX_SEARCH:
@@ -237,10 +252,6 @@ class Identifier:
             for row, offset in zip(rows[r][:64].tolist(), (lo + o[:64]).tolist()):
                 if len(found) < 64 and self._verify(row, offset, values):
                     found.append((int(self.masks[row]), offset, length))
-        learned = {o for _, o, _ in found} - set(self.offsets)
-        if learned:
-            self.offsets = sorted({*self.offsets, *learned})
-            self._cache.clear()
         return found
 
 
