@@ -222,8 +222,12 @@ class Identifier:
             self.offsets = sorted(self._known)
             self._cache.clear()
 
-    def _search(self, values: torch.Tensor) -> list[tuple[int, int, int]]:
+    def _search(self, values: torch.Tensor, known: torch.Tensor | None = None) -> list[tuple[int, int, int]]:
         """An unusual slice: every offset, for every subset (in blocks, to bound memory).
+
+        ``known`` (the sender's per-element masks of what has reached it): keep only the sums the
+        sender could have had -- the last resort before a causality failure, where the first
+        matches of a tiny message of small integers may all be chance ones.
 
         What it finds joins the candidate offsets (``_learn``), so an implementation that cuts
         at unusual boundaries pays one search per boundary, not one per message. Only past
@@ -253,6 +257,8 @@ class Identifier:
                 bound = self.sizes[rows[r]] * self.eps * (A[r] * at.abs()).sum(1) + self.eps * sums.abs()
                 keep = (sums - values[j]).abs() <= bound + 1e-300
                 r, o = r[keep], o[keep]
+            if known is not None:
+                r, o = _admissible(self.masks[rows[r]], lo + o, length, known, r, o)
             for row, offset in zip(rows[r][:64].tolist(), (lo + o[:64]).tolist()):
                 if len(found) < 64 and self._verify(row, offset, values):
                     found.append((int(self.masks[row]), offset, length))
@@ -343,7 +349,7 @@ def _replay(function, p, where, transcripts, inputs, src) -> list[list[Message]]
                     if gather:
                         _send_held(message, held[r], what)
                     else:
-                        _send_sum(message, known[r], what)
+                        _send_sum(message, known[r], what, identifier)
                 else:
                     sent = _paired(message, sends, r, where)
                     if sent.match is None and sent.segments is None:
@@ -377,14 +383,27 @@ def _paired(message: Message, sends: dict, r: int, where: str) -> Message:
     return paired[message.index]
 
 
-def _send_sum(message: Message, known: torch.Tensor, what: str) -> None:
+def _admissible(masks, offsets, length, known, *keep):
+    """``keep`` where the sum over ``masks`` at ``offsets`` had reached its sender (``known``)."""
+    ok = torch.ones(len(masks), dtype=torch.bool)
+    for j in range(length):  # one position at a time: memory stays one row of candidates
+        ok &= (known[offsets + j] & masks) == masks
+        if not ok.any():
+            break
+    return tuple(k[ok] for k in keep)
+
+
+def _send_sum(message: Message, known: torch.Tensor, what: str, identifier: Identifier) -> None:
     """Keep the candidates the sender could have had. Tiny messages of small integers can be
-    several sums at once; the receiver then learns all of them (lenient, never a false failure)."""
+    several sums at once; the receiver then learns all of them (lenient). If none is left, every
+    offset and subset is searched once more for sums the sender had, before the message fails."""
     message.match = [
         (mask, offset, length)
         for mask, offset, length in message.candidates
         if not (known[offset : offset + length] & mask != mask).any()
     ]
+    if not message.match and message.values is not None:
+        message.match = identifier._search(message.values, known)
     if message.match:
         return
     mask, offset, length = message.candidates[0]
