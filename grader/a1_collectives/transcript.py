@@ -385,8 +385,17 @@ def _paired(message: Message, sends: dict, r: int, where: str) -> Message:
 
 def _admissible(masks, offsets, length, known, *keep):
     """``keep`` where the sum over ``masks`` at ``offsets`` had reached its sender (``known``)."""
+    if len(masks) < length:  # few candidates of a long message: one slice per candidate
+        ok = torch.tensor(
+            [
+                bool(((known[o : o + length] & m) == m).all())
+                for m, o in zip(masks.tolist(), offsets.tolist())
+            ],
+            dtype=torch.bool,
+        )
+        return tuple(k[ok] for k in keep)
     ok = torch.ones(len(masks), dtype=torch.bool)
-    for j in range(length):  # one position at a time: memory stays one row of candidates
+    for j in range(length):  # many candidates of a short message: one position at a time
         ok &= (known[offsets + j] & masks) == masks
         if not ok.any():
             break
