@@ -7,15 +7,18 @@ STAMP  := $(VENV)/.minidist-installed
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 LAB_DIR ?= notebooks
 NBVAL  := --nbval --nbval-current-env --nbval-cell-timeout=300
-# pytest with the course's pretrained decoder training beside it (a no-op when it is cached):
-# on a clean cache its ~4 minutes overlap with the tests before the first one that needs it.
-PYTEST_PRETRAINING := $(PY) scripts/with_pretrained_decoder.py -- $(PYTEST)
+# the slowest tests and a per-file time table (tests/plugins/durations.py) after every run
+DURATIONS := --durations=40
+# the fast tier: no notebook, no sandboxed grading batch, no browser, nothing marked slow
+# (markers are applied by path in conftest.py; tests/README.md says which tier a test joins)
+FAST   := -m "not slow and not notebooks and not browser and not gpu"
 
-.PHONY: help setup lab test test-browser test-lib notebooks lint format bench clean release release-check grade
+.PHONY: help setup lab check test test-browser test-lib notebooks lint format bench clean release release-check grade
 
 help:
 	@echo "make lab        set up .venv, register the kernel, open JupyterLab on notebooks/"
 	@echo "                (LAB_DIR=assignments: on the assignments instead)"
+	@echo "make check      the fast tier: lint, release check, every fast test (no notebooks, no grading batches)"
 	@echo "make test       set up .venv, run lint, every test and every notebook (what CI runs)"
 	@echo "make test-lib   only the library tests (faster while developing)"
 	@echo "make test-browser  JupyterLab in headless Chromium, as a student uses it (installs chromium as root)"
@@ -44,20 +47,23 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint release-check
-	$(PYTEST_PRETRAINING) tests notebooks solutions $(NBVAL) $(PYTEST_ARGS)
+check: lint release-check
+	$(PYTEST) tests $(FAST) $(DURATIONS) $(PYTEST_ARGS)
 
-# JupyterLab in headless Chromium, as a student uses it (tests/browser). Chromium comes from
+test: lint release-check
+	$(PYTEST) tests notebooks solutions $(NBVAL) $(DURATIONS) $(PYTEST_ARGS)
+
+# JupyterLab in headless Chromium, as a student uses it (tests/course/browser). Chromium comes from
 # the system's packages (apt-get when run as root; else install it yourself), never downloaded.
 test-browser: $(STAMP)
 	@if ! command -v chromium > /dev/null; then \
 		if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium; \
 		else echo "install Chromium first (Debian/Ubuntu: sudo apt-get install chromium)"; exit 1; fi; \
 	fi
-	$(PYTEST) -m browser tests/browser $(PYTEST_ARGS)
+	$(PYTEST) -m browser tests/course/browser $(PYTEST_ARGS)
 
 test-lib: $(STAMP)
-	$(PYTEST_PRETRAINING) tests --ignore=tests/browser $(PYTEST_ARGS)
+	$(PYTEST) tests/lib $(DURATIONS) $(PYTEST_ARGS)
 
 notebooks: $(STAMP)
 	$(PYTEST) notebooks solutions $(NBVAL) $(PYTEST_ARGS)

@@ -11,7 +11,19 @@ import psutil
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))  # `import workers` in tests and in workers
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# `import workers`, `import ddp_workers`, ... from any test and in md.launch's worker processes:
+# worker modules live beside their tests under tests/lib/<layer>/ and tests/grader/, and every
+# such folder is on sys.path before the first fork server starts (it copies sys.path then).
+# `from conftest import wait_until` finds this file through TESTS.
+WORKER_DIRS = [
+    TESTS,
+    *sorted(os.path.join(TESTS, "lib", d) for d in os.listdir(os.path.join(TESTS, "lib"))),
+    os.path.join(TESTS, "grader"),
+]
+for _folder in reversed(WORKER_DIRS):
+    if os.path.isdir(_folder) and _folder not in sys.path:
+        sys.path.insert(0, _folder)
 
 SHM_DIR = "/dev/shm"
 

@@ -8,8 +8,9 @@
     sampler = data.DistributedSampler(len(blocks), comm.rank, comm.world_size, seed=0)
     sampler.set_epoch(epoch); indices = list(sampler)
 
-Modules: ``corpus`` (article text and the held-out split), ``tokenizer`` (WordPiece),
-``mlm`` (packing and masking), ``sampler`` (which rank reads what).
+Modules: ``sources`` (the raw text and the cache folder), ``corpus`` (article text and the
+held-out split), ``tokenizer`` (WordPiece), ``mlm`` (packing and masking), ``sampler`` (which
+rank reads what).
 """
 
 from minidist.data.corpus import HELD_OUT_EVERY, clean_wiki_text, corpus_articles

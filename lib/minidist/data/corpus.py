@@ -1,6 +1,6 @@
 """The course's text as articles: Wikipedia lead sections and the full articles of gensim's excerpt.
 
-The raw readers live in ``minidist.glove.corpus`` (the GloVe track reads the same two sources);
+The raw readers live in ``minidist.data.sources`` (the GloVe track reads the same two sources);
 here the text is kept as text, with the little wiki markup that ``filter_wiki`` leaves behind
 removed, because a subword tokenizer wants sentences, not GloVe's lower-cased word lists.
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import re
 
-from minidist.glove import corpus as glove_corpus
+from minidist.data.sources import lead_sections, wiki_articles
 
 __all__ = ["HELD_OUT_EVERY", "SPLITS", "clean_wiki_text", "corpus_articles"]
 
@@ -49,7 +49,7 @@ def clean_wiki_text(text: str) -> str:
 @functools.cache
 def _all_articles() -> tuple[str, ...]:
     # Read once per process (decompressing the excerpt takes seconds); a tuple, so callers cannot edit it.
-    raw = glove_corpus.lead_sections() + glove_corpus.wiki_articles()
+    raw = lead_sections() + wiki_articles()
     # Half of the excerpt's pages are "#REDIRECT Title" lines, not articles.
     cleaned = (clean_wiki_text(t) for t in raw if not t.lstrip().upper().startswith("#REDIRECT"))
     return tuple(a for a in cleaned if a)

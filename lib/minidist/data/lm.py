@@ -29,8 +29,8 @@ from tokenizers import Tokenizer
 
 from minidist.data.corpus import SPLITS, corpus_articles
 from minidist.data.mlm import pack_blocks
+from minidist.data.sources import cache_dir
 from minidist.data.tokenizer import special_token_ids, tokenizer_digest
-from minidist.glove.data import cache_dir
 
 __all__ = ["LM_DATA_VERSION", "lm_dataset", "pack_causal_blocks"]
 

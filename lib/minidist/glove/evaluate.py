@@ -20,7 +20,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .corpus import Vocabulary, gensim_datapath
+from minidist.data.sources import gensim_datapath
+
+from .corpus import Vocabulary
 
 
 def _unit_rows(vectors: np.ndarray) -> np.ndarray:

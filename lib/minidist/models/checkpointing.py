@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from minidist import memory
+from minidist import measure
 from minidist.models.bert import BertForMLM
 from minidist.models.decoder import DecoderLM
 from minidist.models.transformer import MultiHeadSelfAttention, TransformerBlock, TransformerConfig
@@ -210,7 +210,7 @@ def measure_checkpointing(
 
     Builds a ``DecoderLM`` (causal configs) or ``BertForMLM`` from ``cfg`` with ``seed``, runs one
     forward and backward on random tokens per mode. ``saved_bytes`` is counted by
-    ``minidist.memory.saved_activation_bytes`` (distinct storages saved for backward during the
+    ``minidist.measure.saved_activation_bytes`` (distinct storages saved for backward during the
     forward); ``step_s`` is the best of ``repeats`` forward+backward timings. Returns
     ``{mode: {"saved_bytes": ..., "step_s": ...}}``; ``time ratio`` vs "none" is what recompute costs.
     """
@@ -225,7 +225,7 @@ def measure_checkpointing(
     try:
         for mode in modes:
             apply_checkpointing(model, mode)
-            saved = memory.saved_activation_bytes(loss_of, ids)
+            saved = measure.saved_activation_bytes(loss_of, ids)
             times = []
             for _ in range(repeats):
                 model.zero_grad(set_to_none=True)

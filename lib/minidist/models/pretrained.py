@@ -1,17 +1,23 @@
-"""The course's small pretrained decoder: trained once on the course text, cached as safetensors shards.
+"""The course's small pretrained decoder: trained once by its recipe, shipped as safetensors shards.
 
 Lecture 9 serves, quantizes and fine-tunes "a 176B model". Nobody can hold one here, so the
 techniques run on a decoder with BLOOM's layout (pre-LN, ALiBi instead of a position table, a
 LayerNorm on the embeddings, the output matrix tied to the word table) that is small enough to
-train on one CPU thread in about 3 minutes on a quiet machine (253 CPU-seconds measured), yet
+train on one CPU thread in about 4 minutes (253 CPU-seconds measured on a quiet machine), yet
 predicts text well enough that a broken quantizer or a wrong KV cache shows up as a worse
-perplexity:
+perplexity. The repository ships its weights (7.4 MB of fp32 under ``minidist/models/weights/``),
+made once by ``export`` (``python -m minidist.models.pretrained --export course``), so no machine
+trains it and every machine serves the same model:
 
-    load("course")  ──► cache hit?  $MINIDIST_CACHE/decoder-course-v1/model.safetensors.index.json
-                          │ no                                      │ yes
-                          ▼                                         ▼
-                    train(RECIPES["course"])  ──► save_sharded ──► load_decoder ──► (model, tokenizer)
-                    (under a lock file: a second process waits, then reads the first one's copy)
+    load("course") ──► shipped?  minidist/models/weights/decoder-course-v1/ ── yes ──► load_decoder
+                         │ no (a recipe without shipped weights)                      ▲
+                         ▼                                                            │
+                   cached in $MINIDIST_CACHE? ── no ──► train ──► save_sharded ───────┘
+                   (under a lock file: a second process waits, then reads the first one's copy)
+
+The shipped ``training.json`` records the recipe, every step's loss and the held-out
+perplexity; a test reruns the first steps of the recipe and compares their losses with the
+record, so the weights stay what the recipe makes.
 
 Training (``train``): AdamW (weight decay on matrices only), the learning rate warmed up
 linearly then decayed along half a cosine, gradient norm clipped to 1, batches drawn from the
@@ -22,8 +28,7 @@ measured), so a fixed thread count gives the same weights on machines with the s
 CPU and the same torch build. Other CPUs (other vector units) or torch versions differ in the
 last bits after a few steps, and 400 steps grow that into a different model (held-out
 perplexity 464 on an AVX2-only AMD EPYC machine against 419 on the course's development
-machines), which is why notebook 9 asserts its comparisons and does not compare the outputs
-that depend on the exact weights.
+machines), which is why the weights are shipped rather than trained on each machine.
 
 Measuring a language model (``perplexity``): the exponential of the mean next-token negative
 log-likelihood on held-out text,
@@ -62,8 +67,8 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from minidist import data, quant
-from minidist.glove.data import cache_dir
-from minidist.memory import tensor_bytes
+from minidist.data.sources import cache_dir
+from minidist.measure import tensor_bytes
 from minidist.models import shards
 from minidist.models.decoder import DecoderLM
 from minidist.models.transformer import TransformerConfig
@@ -75,9 +80,11 @@ __all__ = [
     "Recipe",
     "TrainResult",
     "checkpoint_dir",
+    "export",
     "load",
     "perplexity",
     "perplexity_by_format",
+    "shipped_dir",
     "train",
     "training_info",
     "unigram_perplexity",
@@ -136,6 +143,8 @@ RECIPES: dict[str, Recipe] = {
 }
 
 TRAINING_INFO = "training.json"
+#: weights the repository ships (made by ``export``; see ``shipped_dir``)
+SHIPPED = Path(__file__).resolve().parent / "weights"
 
 
 def _recipe(name: str) -> Recipe:
@@ -162,11 +171,17 @@ TRAIN_THREADS = 1
 
 
 def train(
-    recipe: Recipe, tok: Tokenizer | None = None, blocks: torch.Tensor | None = None, log_every: int = 0
+    recipe: Recipe,
+    tok: Tokenizer | None = None,
+    blocks: torch.Tensor | None = None,
+    log_every: int = 0,
+    stop_after: int | None = None,
 ) -> TrainResult:
     """Train ``DecoderLM(recipe.config)`` from the seed for ``recipe.steps`` steps (see the module doc).
 
-    ``blocks`` default to ``data.lm_dataset(tok, recipe.seq_len, "train")``.
+    ``blocks`` default to ``data.lm_dataset(tok, recipe.seq_len, "train")``. ``stop_after=n`` runs
+    only the first ``n`` steps of the same run (same schedule, same batches): its losses are the
+    first ``n`` of the full run's, which is how a test checks the shipped weights against the recipe.
     """
     tok = tok or data.load_tokenizer()
     if blocks is None:
@@ -179,12 +194,12 @@ def train(
     threads = torch.get_num_threads()
     torch.set_num_threads(TRAIN_THREADS)  # reproducible sums (module docstring); restored below
     try:
-        return _train(recipe, blocks, log_every)
+        return _train(recipe, blocks, log_every, recipe.steps if stop_after is None else stop_after)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(recipe: Recipe, blocks: torch.Tensor, log_every: int) -> TrainResult:
+def _train(recipe: Recipe, blocks: torch.Tensor, log_every: int, steps: int) -> TrainResult:
     torch.manual_seed(recipe.seed)
     model = DecoderLM(recipe.config)
     optimizer = torch.optim.AdamW(param_groups(model, recipe.weight_decay), lr=recipe.lr, betas=(0.9, 0.95))
@@ -196,7 +211,7 @@ def _train(recipe: Recipe, blocks: torch.Tensor, log_every: int) -> TrainResult:
     losses = []
     model.train()
     start, cpu_start = time.perf_counter(), time.process_time()
-    for step in range(recipe.steps):
+    for step in range(min(steps, recipe.steps)):
         if position + recipe.batch_size > len(permutation):  # epoch over: a new order
             permutation, position = torch.randperm(len(blocks), generator=order), 0
         batch = blocks[permutation[position : position + recipe.batch_size]]
@@ -251,14 +266,59 @@ def _take_lock(lock, lock_path: Path, name: str) -> None:  # noqa: ANN001
                 ) from None
 
 
-def checkpoint_dir(name: str = "course") -> Path:
-    """The directory of the pretrained shards, training them first if the cache has none.
+def shipped_dir(name: str = "course") -> Path:
+    """Where the repository ships the weights of ``RECIPES[name]`` (made once by ``export``)."""
+    return SHIPPED / f"decoder-{name}-v{_recipe(name).version}"
 
-    Concurrent callers are safe: the first takes a lock file and trains; the others wait on the
-    lock (at most ``LOCK_TIMEOUT_S``) and then find the finished checkpoint, which appears
-    whole: it is written to a staging directory and renamed into place.
-    """
+
+def _train_and_write(name: str, directory: Path) -> None:
+    """Train ``RECIPES[name]`` and write its shards, index and training record to ``directory``."""
     recipe = _recipe(name)
+    tok = data.load_tokenizer()
+    result = train(recipe, tok)
+    info = {
+        "recipe": {**dataclasses.asdict(recipe), "config": dataclasses.asdict(recipe.config)},
+        "tokenizer_sha256": _tokenizer_digest(tok),
+        "torch": torch.__version__,
+        "train_seconds": round(result.train_seconds, 1),
+        "cpu_seconds": round(result.cpu_seconds, 1),
+        "threads": TRAIN_THREADS,
+        "first_loss": result.losses[0],
+        "final_loss": sum(result.losses[-20:]) / len(result.losses[-20:]),
+        "eval_perplexity": perplexity(result.model, "eval", recipe.seq_len, tok=tok),
+        "losses": result.losses,
+    }
+    shards.save_sharded(result.model, directory, overwrite=True)
+    (directory / TRAINING_INFO).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def export(name: str, directory: str | os.PathLike) -> Path:
+    """Train ``RECIPES[name]`` from its seed and write it to ``directory`` (replacing a checkpoint
+    there): how the shipped weights (``shipped_dir``) were made. About 4 CPU-minutes for "course"."""
+    directory = Path(directory)
+    staging = directory.parent / f".{directory.name}.staging-{os.getpid()}"
+    try:
+        _train_and_write(name, staging)
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(staging, directory)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory
+
+
+def checkpoint_dir(name: str = "course") -> Path:
+    """The directory of the pretrained shards: the shipped copy, else the cache, training it first.
+
+    The course decoder is shipped with the repository (``shipped_dir``): nothing trains. A recipe
+    without shipped weights is trained once into ``$MINIDIST_CACHE``. Concurrent callers are safe:
+    the first takes a lock file and trains; the others wait on the lock (at most
+    ``LOCK_TIMEOUT_S``) and then find the finished checkpoint, which appears whole: it is written
+    to a staging directory and renamed into place.
+    """
+    shipped = shipped_dir(name)
+    if (shipped / shards.INDEX_NAME).exists():
+        return shipped
     directory = _cache_path(name)
     if (directory / shards.INDEX_NAME).exists():
         return directory
@@ -278,20 +338,7 @@ def checkpoint_dir(name: str = "course") -> Path:
             shutil.rmtree(stale, ignore_errors=True)
         staging = directory.parent / f".{directory.name}.staging-{os.getpid()}"
         try:
-            tok = data.load_tokenizer()
-            result = train(recipe, tok)
-            info = {
-                "recipe": {**dataclasses.asdict(recipe), "config": dataclasses.asdict(recipe.config)},
-                "tokenizer_sha256": _tokenizer_digest(tok),
-                "train_seconds": round(result.train_seconds, 1),
-                "cpu_seconds": round(result.cpu_seconds, 1),
-                "threads": TRAIN_THREADS,
-                "first_loss": result.losses[0],
-                "final_loss": sum(result.losses[-20:]) / len(result.losses[-20:]),
-                "eval_perplexity": perplexity(result.model, "eval", recipe.seq_len, tok=tok),
-            }
-            shards.save_sharded(result.model, staging, overwrite=True)
-            (staging / TRAINING_INFO).write_text(json.dumps(info, indent=2) + "\n")
+            _train_and_write(name, staging)
             os.replace(staging, directory)  # shards, index and training record appear together
         finally:
             shutil.rmtree(staging, ignore_errors=True)  # gone after the rename; left by a failure
@@ -465,36 +512,30 @@ def perplexity_by_format(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m minidist.models.pretrained --ensure [NAME]``: make sure NAME is in the cache.
+    """``python -m minidist.models.pretrained --export NAME [--out DIR]``: remake shipped weights.
 
-    Trains and caches the model when ``$MINIDIST_CACHE`` has none (waiting on the lock if
-    another process is training it), returns at once when it is there. ``make test`` runs this
-    beside pytest (``scripts/with_pretrained_decoder.py``) so that the training overlaps with
-    the tests that come before the first one needing the model.
+    Trains ``RECIPES[NAME]`` from its seed (about 4 CPU-minutes for "course") and writes the shards,
+    the index and ``training.json`` (recipe, per-step losses, held-out perplexity) to DIR, by
+    default the shipped folder ``shipped_dir(NAME)``. Only an instructor who changes a recipe
+    needs this; bump the recipe's version with it.
     """
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="python -m minidist.models.pretrained", description="Train and cache a pretrained decoder."
+        prog="python -m minidist.models.pretrained", description="Train a pretrained decoder by its recipe."
     )
-    parser.add_argument(
-        "--ensure",
-        metavar="NAME",
-        nargs="?",
-        const="course",
-        required=True,
-        help=f"train NAME unless $MINIDIST_CACHE has it (default course; one of {sorted(RECIPES)})",
-    )
+    parser.add_argument("--export", metavar="NAME", required=True, help=f"one of {sorted(RECIPES)}")
+    parser.add_argument("--out", metavar="DIR", help="where to write it (default: the shipped folder)")
     args = parser.parse_args(argv)
-    if args.ensure not in RECIPES:
-        parser.error(f"unknown pretrained model {args.ensure!r}: use one of {sorted(RECIPES)}")
-    cached = (_cache_path(args.ensure) / shards.INDEX_NAME).exists()
+    if args.export not in RECIPES:
+        parser.error(f"unknown pretrained model {args.export!r}: use one of {sorted(RECIPES)}")
     start = time.perf_counter()
-    directory = checkpoint_dir(args.ensure)
-    if cached:
-        print(f"pretrained {args.ensure!r}: already cached in {directory}", flush=True)
-    else:
-        print(f"pretrained {args.ensure!r}: ready in {directory} after {time.perf_counter() - start:.0f} s")
+    directory = export(args.export, args.out or shipped_dir(args.export))
+    info = json.loads((directory / TRAINING_INFO).read_text())
+    print(
+        f"pretrained {args.export!r}: written to {directory} after {time.perf_counter() - start:.0f} s "
+        f"(held-out perplexity {info['eval_perplexity']:.1f})"
+    )
     return 0
 
 

@@ -615,10 +615,10 @@ def measure_bubble(
     Runs the step twice and measures the second (the first pays one-time costs).
     Cost: about 2 (m + p - 1) (t_forward + t_backward) seconds plus the launch (~1-2 s).
     """
-    import minidist as md  # lazily: launching is above the schedules' concern
+    from minidist.launch import launch  # lazily: launching is not the schedules' concern
 
     schedule = schedule_fn(stages, microbatches, chunks) if chunks > 1 else schedule_fn(stages, microbatches)
-    outs = md.launch(
+    outs = launch(
         _bubble_worker,
         stages,
         args=(schedule, t_forward, t_backward, chunks),

@@ -15,7 +15,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
 
 NEWS = "@jupyterlab/apputils-extension:notification"
 NOTEBOOK_01 = "notebooks/01_processes_pipes_shared_memory.ipynb"
-ARTIFACTS = Path(__file__).resolve().parents[2] / "browser-artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[3] / "browser-artifacts"
 RUN_TIMEOUT = 240  # s: Run All of one notebook (notebook 01 takes ~11 s under nbval)
 VERDICT = re.compile(r"^all public tests pass\s*$")  # what a1's notebook prints when they do
 TRACEBACK = "Traceback (most recent call last)"  # how the lab renders a cell's exception

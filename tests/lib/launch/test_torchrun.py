@@ -13,7 +13,7 @@ import minidist as md
 from conftest import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 
 
 @pytest.mark.slow

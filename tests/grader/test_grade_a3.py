@@ -29,7 +29,7 @@ with warnings.catch_warnings():  # `points` is registered by grader/a3_ddp/conft
     from grader.a3_ddp import grading
     from grader.a3_ddp import test_hidden as hidden
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: the tests that tell the examples apart: buckets, equivalence on the model with tied, frozen
 #: and unused parameters, overlap, accumulation (glob patterns: "[[]" is a literal "[")
 SUBSET = (
@@ -179,7 +179,7 @@ def test_given_functions_name_functions_of_the_solution(assignment):
     # methods); a bare method name would never match and the given code would be compared
     package = importlib.import_module(f"grader.{assignment}")
     grading_module = importlib.import_module(f"grader.{assignment}.grading")
-    root = Path(__file__).resolve().parents[1] / "solutions" / assignment
+    root = Path(__file__).resolve().parents[2] / "solutions" / assignment
     names = set()
     for student_file in package.STUDENT_FILES:
         names |= set(similarity.functions((root / student_file).read_text()))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SOLUTION_LINE = "exchange(comm, chunk((rank - step) % p), right, chunk((rank - step - 1) % p), left)"
 
 

@@ -42,7 +42,7 @@ with warnings.catch_warnings():  # `points` is registered by grader/a6_inference
     from grader.a6_inference import grading, reference, workers
     from grader.a6_inference import test_hidden as hidden
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SOLUTION = ROOT / "solutions" / "a6_inference" / "inference.py"
 #: the tests that tell the examples apart (glob patterns: "[[]" is a literal "["): int8 codes
 #: (int8_float), packing (dave), NF4 codes (dave, bob), NF4 memory (fp32_inside, hidden_storage),

@@ -27,7 +27,7 @@ import psutil
 import pytest
 import requests
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ARTIFACTS = ROOT / "browser-artifacts"
 TOKEN = "minidist-browser-test"
 ENABLE = "run `make test-browser` (it installs Chromium with apt-get when run as root)"

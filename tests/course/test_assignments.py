@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NAME = "a1_collectives"
 SOLUTION = ROOT / "solutions" / NAME
 STUB = ROOT / "assignments" / NAME

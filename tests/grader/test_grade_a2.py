@@ -22,7 +22,7 @@ with warnings.catch_warnings():  # `points` is registered by grader/a2_async/con
     from grader.a2_async import grading
     from grader.a2_async import test_hidden as hidden
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def grade(submissions: Path, out: Path, *extra: str) -> str:

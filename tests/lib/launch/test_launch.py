@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import minidist as md
 import workers
 from conftest import wait_until
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(Path(__file__).resolve().parents[3])
 
 
 def gone(pid: int) -> bool:
@@ -152,7 +153,7 @@ def test_many_launches_leak_no_file_descriptors():
     assert len(os.listdir("/proc/self/fd")) <= before + 2
 
 
-PYTHONPATH = {"PYTHONPATH": os.pathsep.join([os.path.join(REPO, "tests"), os.path.join(REPO, "lib")])}
+PYTHONPATH = {"PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), os.path.join(REPO, "lib")])}
 
 
 def _run_python(code: str, timeout: float = 60):

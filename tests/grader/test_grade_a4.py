@@ -31,7 +31,7 @@ with warnings.catch_warnings():  # `points` is registered by grader/a4_compressi
     from grader.a4_compression import grading, reference, workers
     from grader.a4_compression import test_hidden as hidden
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: the tests that tell the examples apart (glob patterns: "[[]" is a literal "["): error feedback
 #: (bob, ivan), the sampled selection (carol), the sequence with the whole sample (dave, bob,
 #: gina, ivan), the bytes of the hook (erin, hank); single-process jobs but one. (gina's hidden

@@ -35,9 +35,9 @@ import pytest
 from grader import cgroups, grade, sandbox
 from grader.examples import common
 from grader.examples.a1_collectives import isolation, make, resources, robust
-from tests.test_grade_robust import lines_outside_fences, strict_json
+from test_grade_robust import lines_outside_fences, strict_json
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROTECTED = (
     sys.platform == "linux"
     and os.geteuid() == 0
