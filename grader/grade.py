@@ -8,13 +8,13 @@ For each submission (a folder or a .zip named by student id; see ``intake.py``):
    batch goes on;
 2. build a fresh working directory with those files, the assignment's worker modules and
    ``rules.py``, ``guard.py``, ``student_comm.py`` and ``harness.py`` -- never
-   ``test_hidden.py``, never a student's tests or ``conftest.py``;
+   ``cases.py`` or ``reference.py``, never a student's tests or ``conftest.py``;
 3. run the harness there in a sandbox (``sandbox.py``: own session, limits, private mounts,
    an unprivileged user of its own when run as root); it launches each hidden test's job --
    each worker installs the guard, then imports the student's module and calls it with a
    point-to-point-only communicator -- and writes the raw results as JSON and .npy;
 4. check every test's results *here*, against references computed here from seeds the
-   grader chose for this student (``grader/<name>/grading.py``): a missing or malformed
+   grader chose for this student (``grader/<name>/cases.py``): a missing or malformed
    result, or a value other than the reference's, fails the test, whatever the student's code
    printed or wrote. The traffic counts behind a1's budget tests are the one thing measured
    inside the student's processes: they are cross-checked between ranks, against the
@@ -54,6 +54,7 @@ import torch
 from tqdm import tqdm
 
 from . import cgroups, guard, intake, report, sandbox, similarity
+from .assignment import Assignment
 from .plan import GradedTest, TestResult
 from .text import clean as clean_text
 from .tree import remove_tree
@@ -64,7 +65,7 @@ HARNESS = Path(__file__).resolve().parent / "harness.py"
 #: sandbox-side modules every assignment's workers import (copied beside harness.py)
 SHARED_SANDBOX_FILES = ("guard.py", "student_comm.py", "seeding.py")
 #: trusted modules whose change changes grades (part of the hash that decides what to regrade)
-TRUSTED_FILES = ("forbidden.py", "similarity.py")
+TRUSTED_FILES = ("forbidden.py", "similarity.py", "assignment.py", "plan.py")
 UID_BASE = 64000  # sandbox user ids: UID_BASE + slot, one per parallel job
 #: held by an isolated grading run: the sandbox user ids are the same in every run, and a run's
 #: cleanup kills every process of its ids, so two runs at once would kill each other's sandboxes
@@ -112,16 +113,23 @@ def size_text(value: int) -> str:
     return f"{value} bytes"
 
 
-def load_assignment(name: str):
+def load_assignment(name: str) -> Assignment:
+    """``grader/<name>/grading.py``'s ``ASSIGNMENT``: everything the grader needs to know of it."""
     module_name = f"grader.{name}.grading"
     try:
-        return importlib.import_module(module_name)
+        module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
         if error.name in (module_name, f"grader.{name}"):
             raise SystemExit(
                 f"grade: no assignment {name!r} (expected {module_name.replace('.', '/')}.py)"
             ) from None
         raise
+    assignment = getattr(module, "ASSIGNMENT", None)
+    if not isinstance(assignment, Assignment):
+        raise SystemExit(
+            f"grade: {module_name.replace('.', '/')}.py declares no ASSIGNMENT = Assignment(...)"
+        )
+    return assignment
 
 
 def select(tests: list[GradedTest], patterns: list[str] | None) -> list[GradedTest]:
@@ -152,7 +160,7 @@ def student_seed(seed_key: str, assignment: str, student: str) -> int:
 class Grader:
     def __init__(self, name: str, args: argparse.Namespace, out: Path, seed_key: str) -> None:
         self.name, self.args, self.out, self.seed_key = name, args, out, seed_key
-        self.module = load_assignment(name)
+        self.assignment = load_assignment(name)
         self.isolated = sandbox.can_isolate() and not args.no_isolation
         protections = sandbox.probe_protections()  # each one tried, in a forked child
         off = ["isolation (--no-isolation)"] if args.no_isolation else []
@@ -174,7 +182,7 @@ class Grader:
                 file=sys.stderr,
             )
         self.work_root = out / ".sandbox"
-        self.test_names = [t.name for t in select(self.module.graded_tests(0), args.tests)]
+        self.test_names = [t.name for t in select(self.assignment.graded_tests(0), args.tests)]
         if not self.test_names:
             raise SystemExit(f"grade: no test of {name} matches {args.tests} (glob patterns; '[[]' is a '[')")
         self.config = config_digest(name, args, seed_key)
@@ -183,14 +191,14 @@ class Grader:
             self.slots.put(slot)
         hide = [ROOT / "solutions", ROOT / "grader", ROOT / ".git", out, Path(args.submissions)]
         self.hide = tuple(str(p.resolve()) for p in hide)
-        library = sorted({path for pattern in self.module.SIMILAR_TO for path in ROOT.glob(pattern)})
+        library = sorted({path for pattern in self.assignment.similar_to for path in ROOT.glob(pattern)})
         self.library = similarity.library_functions(library, ROOT)
 
     def similarity(self, submission: intake.Submission) -> similarity.Match:
         """The closest library function to any function of the submission (for the instructor)."""
         best = similarity.Match(0.0, "", "")
         for data in submission.files.values():
-            match = similarity.best_match(data.decode(), self.library, self.module.GIVEN_FUNCTIONS)
+            match = similarity.best_match(data.decode(), self.library, self.assignment.given_functions)
             best = max(best, match, key=lambda m: m.score)
         return best
 
@@ -227,19 +235,19 @@ class Grader:
         return graded
 
     def _forbidden(self, graded: report.Graded) -> report.Graded:
-        graded.instead = self.module.FORBIDDEN.instead
+        graded.instead = self.assignment.forbidden.instead
         return graded
 
     def _all_failed(self, submission, status: str, reason: str, digest: str) -> report.Graded:
         tests = [
             TestResult(t.name, 0.0, t.points, False, t.function, f"not run: {reason}")
-            for t in select(self.module.graded_tests(0), self.args.tests)
+            for t in select(self.assignment.graded_tests(0), self.args.tests)
         ]
         return report.Graded(submission.student, status, reason, tests, 0.0, digest)
 
     def _run(self, submission: intake.Submission, slot: int, digest: str) -> report.Graded:
         seed = student_seed(self.seed_key, self.name, submission.student)
-        tests = select(self.module.graded_tests(seed), self.args.tests)
+        tests = select(self.assignment.graded_tests(seed), self.args.tests)
         uid = UID_BASE + slot if self.isolated else None
         token = secrets.token_hex(8)
         workdir = self.work_root / token
@@ -255,13 +263,13 @@ class Grader:
                 )
             for name, data in submission.files.items():
                 (workdir / name).write_bytes(data)
-            for name in self.module.SANDBOX_FILES:
+            for name in self.assignment.sandbox_files:
                 shutil.copyfile(ROOT / "grader" / self.name / name, workdir / name)
             for name in SHARED_SANDBOX_FILES:
                 shutil.copyfile(ROOT / "grader" / name, workdir / name)
             shutil.copyfile(HARNESS, workdir / "harness.py")
             jobs = [t.job.as_json(f"t{index:03d}", self.args.test_timeout) for index, t in enumerate(tests)]
-            probe = [Path(name).stem for name in self.module.STUDENT_FILES]
+            probe = [Path(name).stem for name in self.assignment.student_files]
             (workdir / "spec.json").write_text(json.dumps({"jobs": jobs, "probe": probe}))
             (workdir / "results").mkdir()
             inside = Path(sandbox.work_mount(workdir)) if self.isolated else workdir
@@ -316,7 +324,7 @@ class Grader:
             reason = f"importing {probe['module']}.py {how}{hint}: {last[0][:300]}".rstrip(": ")
         elif status == "ok" and results and len(import_errors) == len(results):
             status = "import_error"
-            reason = f"importing {', '.join(self.module.STUDENT_FILES)} failed: {import_errors[0][:300]}"
+            reason = f"importing {', '.join(self.assignment.student_files)} failed: {import_errors[0][:300]}"
         elif run.status == "timeout":
             reason = f"stopped after {self.args.timeout:g} s"
         elif run.status == "crashed":
@@ -341,9 +349,9 @@ class Grader:
         result.seconds = record["seconds"]
         if "error" in record:  # the fields are the submission's: our formatting must survive any of them
             try:
-                message = self.module.failure_message(test, record["error"], self.args.test_timeout)
-                result.message = self.module.redact(message)
-                import_error = self.module.import_failure(record["error"])
+                message = self.assignment.failure_message(test, record["error"], self.args.test_timeout)
+                result.message = self.assignment.redact(message)
+                import_error = self.assignment.import_failure(record["error"])
             except Exception as error:  # noqa: BLE001
                 result.message = f"the test failed with a malformed error record ({type(error).__name__})"
                 return result, None
@@ -354,7 +362,7 @@ class Grader:
             text = str(error) or type(error).__name__
             if not isinstance(error, (pytest.fail.Exception, AssertionError)):
                 text = f"malformed result ({type(error).__name__}: {text[:200]})"
-            result.message = self.module.redact(text)
+            result.message = self.assignment.redact(text)
             return result, None
         result.passed, result.points = True, test.points
         return result, None
@@ -388,13 +396,13 @@ def _finish(grader: Grader, submission: intake.Submission, future, out: Path) ->
     if not intake.usable_id(graded.student):
         return graded  # no folder for a name that is not a safe file name (the gradebook has its row)
     try:
-        report.write_student(out / graded.student, graded, grader.module.HINTS)
+        report.write_student(out / graded.student, graded, grader.assignment.hints)
     except Exception as error:  # noqa: BLE001
         reason = f"writing the feedback failed: {type(error).__name__}: {error}"
         reason = clean_text(reason, multiline=False, limit=300)
         graded = grader._all_failed(submission, "error", reason, "")
         with contextlib.suppress(Exception):
-            report.write_student(out / graded.student, graded, grader.module.HINTS)
+            report.write_student(out / graded.student, graded, grader.assignment.hints)
     return graded
 
 
@@ -463,10 +471,10 @@ def main(args: argparse.Namespace) -> int:
     seed_key = seed_key_for(out, args.seed_key)
     grader = Grader(args.assignment, args, out, seed_key)
     paths = intake.discover(Path(args.submissions))
-    submissions = [intake.load(p, grader.module.STUDENT_FILES) for p in paths]
+    submissions = [intake.load(p, grader.assignment.student_files) for p in paths]
     for submission in submissions:
         if not submission.error:
-            intake.check_forbidden(submission, grader.module.FORBIDDEN)
+            intake.check_forbidden(submission, grader.assignment.forbidden)
     seen: set[str] = set()
     for submission in submissions:
         if submission.student in seen:

@@ -25,6 +25,8 @@ from .release import ROOT, is_skipped
 GRADER_MODULES = (
     "__init__.py",
     "__main__.py",
+    "assignment.py",
+    "conftest.py",
     "grade.py",
     "forbidden.py",
     "gradescope.py",

@@ -1,4 +1,4 @@
-"""Points for the hidden tests: a pytest plugin that ``grader/<assignment>/conftest.py`` loads.
+"""Points for the hidden tests: a pytest plugin that ``grader/conftest.py`` loads for every assignment.
 
 Convention: every test under ``grader/`` has a marker ``@pytest.mark.points(n)``, ``n`` a
 positive number (a parametrized test is worth ``n`` per parameter set). A test without one

@@ -1,44 +1,19 @@
 """How ``python -m grader grade`` runs assignment 4: the hidden tests as jobs plus trusted checks.
 
-Each ``Case`` of ``test_hidden.cases(seed)`` becomes a ``Job`` (a worker of ``workers.py``, its
+Each ``Case`` of ``cases.cases(seed)`` becomes a ``Job`` (a worker of ``workers.py``, its
 ranks and JSON arguments, with seeds only this run knows) that the sandbox runs, and the case's
 check, which runs here on the reports read back as JSON and ``.npy``: the second DGC
 (``reference.py``) is recomputed here from the same arguments. The sandbox gets ``workers.py``
-and ``rules.py`` only: never ``test_hidden.py``, ``reference.py``, the expected values or the
+and ``rules.py`` only: never ``cases.py``, ``reference.py``, the expected values or the
 points.
 """
 
 from __future__ import annotations
 
-from grader.forbidden import Rules
-from grader.plan import (
-    GradedTest,
-    graded_tests_from_cases,
-    import_failure_of,
-    ranked_failure_message,
-    redact_expected,
-)
+from grader.assignment import Assignment
 
-from . import STUDENT_FILES, rules
-from . import test_hidden as hidden
+from . import STUDENT_FILES, cases, rules
 
-__all__ = [
-    "STUDENT_FILES",
-    "SANDBOX_FILES",
-    "FORBIDDEN",
-    "SIMILAR_TO",
-    "GIVEN_FUNCTIONS",
-    "graded_tests",
-    "failure_message",
-    "import_failure",
-    "redact",
-    "HINTS",
-]
-
-#: files of this folder the sandbox needs (workers, and the rules their guard enforces); never test_hidden.py
-SANDBOX_FILES = ("workers.py", "rules.py")
-#: what a submission may not use (``rules.py``): refused at intake and, in the sandbox, at run time
-FORBIDDEN = Rules.of(rules)
 #: the library files a submission is compared with (``grader/similarity.py``), relative to the root
 SIMILAR_TO = ("lib/minidist/parallel/compression/*.py",)
 #: functions the stub gives (every submission has them): not compared
@@ -50,7 +25,6 @@ GIVEN_FUNCTIONS = (
     "unpack",
     "SparseWork.__init__",
 )
-WORKERS_MODULE = "workers"
 
 HINTS = {
     "sparsity_at": "stage = step // warmup_stage_steps; past the stages (or no warm-up): config.sparsity.",
@@ -63,21 +37,17 @@ HINTS = {
     "SparseWork.wait: add the rows in rank order, divide by N.",
 }
 
-
-def graded_tests(seed: int) -> list[GradedTest]:
-    """Every hidden test of ``test_hidden.py``, in its order, as (job, trusted check)."""
-    return graded_tests_from_cases(hidden.cases(seed), WORKERS_MODULE)
-
-
-def failure_message(test: GradedTest, error: dict, seconds: float) -> str:
-    """The student-facing message for a job that did not return (``error`` as the harness wrote it)."""
-    return ranked_failure_message(hidden, test, error, seconds)
-
-
-def import_failure(error: dict) -> str | None:
-    """A one-line summary when a job failed because ``dgc.py`` could not be imported."""
-    return import_failure_of(error, "import_module(STUDENT_MODULE)")
-
-
-#: what a student may see: the wrong value, not the expected one
-redact = redact_expected
+ASSIGNMENT = Assignment(
+    name="a4_compression",
+    student_files=STUDENT_FILES,
+    rules=rules,
+    tasks=cases.TASKS,
+    hints=HINTS,
+    cases=cases.cases,
+    similar_to=SIMILAR_TO,
+    given_functions=GIVEN_FUNCTIONS,
+    timeout=60,
+    student_code="dgc.py",
+    deadlock_hint="Every rank must launch one allgather per bucket, of the same size (k slots, padded).",
+    import_marker="import_module(STUDENT_MODULE)",
+)

@@ -1,46 +1,22 @@
 """How ``python -m grader grade`` runs assignment 6: the hidden tests as jobs plus trusted checks.
 
-Each ``Case`` of ``test_hidden.cases(seed)`` becomes a ``Job`` (a worker of ``workers.py``, one
+Each ``Case`` of ``cases.cases(seed)`` becomes a ``Job`` (a worker of ``workers.py``, one
 process, JSON arguments with seeds only this run knows) that the sandbox runs, and the case's
 check, which runs here on the report read back as JSON and ``.npy``: the formats and the decoder
 (``reference.py``) are recomputed here from the same arguments. The sandbox gets ``workers.py``
-and ``rules.py`` only: never ``test_hidden.py``, ``reference.py``, the expected values or the
+and ``rules.py`` only: never ``cases.py``, ``reference.py``, the expected values or the
 points.
 """
 
 from __future__ import annotations
 
-from grader.forbidden import Rules
-from grader.plan import (
-    GradedTest,
-    graded_tests_from_cases,
-    import_failure_of,
-    redact_expected,
-)
+from grader.assignment import Assignment
 
-from . import STUDENT_FILES, rules
-from . import test_hidden as hidden
+from . import STUDENT_FILES, cases, rules
 
-__all__ = [
-    "STUDENT_FILES",
-    "SANDBOX_FILES",
-    "FORBIDDEN",
-    "SIMILAR_TO",
-    "GIVEN_FUNCTIONS",
-    "graded_tests",
-    "failure_message",
-    "import_failure",
-    "redact",
-    "HINTS",
-]
-
-#: files of this folder the sandbox needs (workers, and the rules their guard enforces); never test_hidden.py
-SANDBOX_FILES = ("workers.py", "rules.py")
-#: what a submission may not use (``rules.py``): refused at intake and, in the sandbox, at run time
-FORBIDDEN = Rules.of(rules)
 #: the library files a submission is compared with (``grader/similarity.py``), relative to the root
 SIMILAR_TO = ("lib/minidist/quant.py", "lib/minidist/models/generate.py")
-#: functions the stub gives (every submission has them), and the canonical one-liners: not compared
+#: functions the stub gives (every submission has them): not compared
 GIVEN_FUNCTIONS = (
     "NF4Weight.nbytes",
     "NF4Weight.numel",
@@ -51,7 +27,6 @@ GIVEN_FUNCTIONS = (
     "dequantize_int8",
     "unpack_4bit",
 )
-WORKERS_MODULE = "workers"
 
 HINTS = {
     "quantize_int8": "Per row (last dimension), in float32: scale = amax(|w|) / 127 (keepdim); codes = "
@@ -70,38 +45,18 @@ HINTS = {
     "the newest token with the past the previous step returned.",
 }
 
-
-def _first(check):
-    """The case checks one process's report; md.launch returns the list of the ranks' reports."""
-
-    def on_reports(outs):
-        if not isinstance(outs, list) or len(outs) != 1 or not isinstance(outs[0], dict):
-            raise AssertionError("the job did not return one report")
-        check(outs[0])
-
-    return on_reports
-
-
-def graded_tests(seed: int) -> list[GradedTest]:
-    """Every hidden test of ``test_hidden.py``, in its order, as (job, trusted check)."""
-    return graded_tests_from_cases(hidden.cases(seed), WORKERS_MODULE, wrap=_first)
-
-
-def failure_message(test: GradedTest, error: dict, seconds: float) -> str:
-    """The student-facing message for a job that did not return (``error`` as the harness wrote it)."""
-    text = str(error.get("text", ""))
-    if error.get("kind") == "timeout":
-        return hidden.timeout_failure(test.function, seconds, text)
-    if error.get("kind") == "worker":
-        exc_type, summary = str(error.get("exc_type", "")), str(error.get("summary", ""))
-        return hidden.worker_failure(test.function, exc_type, summary, text)
-    return f"{test.function}: the test harness failed: {text}"
-
-
-def import_failure(error: dict) -> str | None:
-    """A one-line summary when a job failed because the student's module could not be imported."""
-    return import_failure_of(error, "import_module(")
-
-
-#: what a student may see: the wrong value, not the expected one
-redact = redact_expected
+ASSIGNMENT = Assignment(
+    name="a6_inference",
+    student_files=STUDENT_FILES,
+    rules=rules,
+    tasks=cases.TASKS,
+    hints=HINTS,
+    cases=cases.cases,
+    similar_to=SIMILAR_TO,
+    given_functions=GIVEN_FUNCTIONS,
+    timeout=60,
+    student_code="inference.py",
+    deadlock_hint="An endless loop?",
+    import_marker="import_module(",
+    one_process=True,
+)

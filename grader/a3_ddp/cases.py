@@ -1,0 +1,142 @@
+"""The case table of assignment 3 (bucketed DDP that overlaps backward). Instructors only.
+
+Every test is a ``Case`` of ``cases(seed)``: a job (a worker of ``workers.py``, a number of
+ranks, JSON arguments) and a trusted check of what the ranks report (``reference.py``). pytest
+runs them with seed 0; ``grading.py`` runs the same cases with a seed per student (other
+weights, other data, other parameter shapes for task 1). The models are ones the public tests
+do not have: an MLP, the same with a frozen first layer and a LayerNorm, the same with a layer
+it never calls, a tied-embedding language model, and that one with a frozen and an unused
+layer; on 2 and 3 ranks, on the "shm" and "pipe" transports.
+
+* ``assign_buckets`` against a second implementation of the rule (task 1);
+* after 3 AdamW steps every rank's gradients (first step) and parameters equal one process
+  training on the whole batch (tasks 2 and 3);
+* exactly one allreduce per bucket per step, of the bucket's size, counted by wrapping
+  ``md.allreduce`` (task 2);
+* overlap: every allreduce asynchronous, and each bucket launched before the next gradient
+  after its last one (the last bucket: before backward ends) -- the order of events noted by
+  the grader's own hooks, which run before the student's (task 2);
+* the recorder gets one span per bucket, within backward (tasks 2 and 3);
+* ``no_sync``: 3 micro-batches per step, the same as one process, no allreduce inside (task 4).
+
+The folder holding the student's ``ddp.py`` must be on PYTHONPATH; it is imported only in the
+worker processes. Each ``Case`` carries its points; ``grading.py`` declares the assignment.
+"""
+
+from __future__ import annotations
+
+import random
+
+from grader.assignment import Case
+
+from . import reference as ref
+
+TASKS = {"assign_buckets": 1, "_on_gradient_ready": 2, "_launch": 2, "_finish_backward": 3, "no_sync": 4}
+#: bucket sizes that cut each model into several buckets (double precision: 8 bytes an element)
+BUCKET_MB = {"deep": 0.01, "frozen": 0.01, "unused": 0.01, "tied": 4096 / ref.MIB, "mixed": 4096 / ref.MIB}
+
+
+def spec(seed: int, base: int, model: str, ranks: int, **extra) -> dict:
+    return {
+        "model": model,
+        "seed": (seed * 1000 + base) % 2**31,
+        "ranks": ranks,
+        "local_batch": 3,
+        "steps": 3,
+        "bucket_mb": BUCKET_MB[model],
+        "find_unused": model in ("unused", "mixed"),
+        "lr": 0.01,
+        **extra,
+    }
+
+
+def bucket_cases(seed: int) -> list[dict]:
+    """Parameter lists for ``assign_buckets``: fixed corner cases and seeded random ones."""
+    kib = 1024 / ref.MIB
+    cases = [
+        # the docstring's example in float32: 400, 400, 300, 1200 bytes, limit 1000
+        {
+            "params": [
+                ["a", [100], False, "float32"],
+                ["b", [100], False, "float32"],
+                ["c", [75], False, "float32"],
+                ["d", [300], False, "float32"],
+            ],
+            "bucket_mb": 1000 / ref.MIB,
+        },
+        # exactly full buckets stay one bucket; a frozen one is skipped; a tied one counted once
+        {
+            "params": [
+                ["emb", [16, 8], False, "float32"],
+                ["frozen", [64], True, "float32"],
+                ["w", [8, 8], False, "float32"],
+                ["b", [64], False, "float32"],
+                ["head", "=", "emb"],
+            ],
+            "bucket_mb": 512 / ref.MIB,
+        },
+        # every parameter over the limit: one bucket each; float64 counts 8 bytes
+        {
+            "params": [["x", [40], False, "float64"], ["y", [50], False, "float64"]],
+            "bucket_mb": 100 / ref.MIB,
+        },
+        # everything frozen: no bucket
+        {"params": [["x", [4], True, "float32"]], "bucket_mb": 1.0},
+    ]
+    rng = random.Random(seed)
+    for _ in range(4):
+        params = []
+        for index in range(rng.randint(5, 12)):
+            if params and rng.random() < 0.15:
+                params.append([f"tied{index}", "=", rng.choice([p[0] for p in params if p[1] != "="])])
+                continue
+            shape = [rng.randint(1, 24) for _ in range(rng.randint(1, 2))]
+            params.append([f"p{index}", shape, rng.random() < 0.2, rng.choice(["float32", "float64"])])
+        cases.append({"params": params, "bucket_mb": rng.choice([0.5, 1, 2, 3]) * kib})
+    return cases
+
+
+# --- the cases ---------------------------------------------------------------------------------
+def cases(seed: int) -> list[Case]:
+    buckets = bucket_cases(seed)
+    out = [
+        Case(
+            "test_assign_buckets",
+            4,
+            "assign_buckets",
+            "bucket_cases",
+            1,
+            [buckets],
+            ref.buckets_check("assign_buckets", buckets),
+        )
+    ]
+
+    def train(name, points, function, s, transport, check):
+        what = f"{s['model']} model on {s['ranks']} ranks, transport {transport!r}"
+        out.append(Case(name, points, function, "train", s["ranks"], [s], check(what, s), transport))
+
+    for base, (model, ranks, transport) in enumerate(
+        [
+            ("deep", 2, "shm"),
+            ("tied", 3, "shm"),
+            ("frozen", 2, "pipe"),
+            ("unused", 3, "pipe"),
+            ("mixed", 2, "shm"),
+        ]
+    ):
+        s = spec(seed, 10 + base, model, ranks)
+        name = f"test_matches_one_process[{model}-{ranks}-{transport}]"
+        train(name, 3, "_finish_backward", s, transport, ref.equivalence_check)
+    for base, (model, ranks, transport) in enumerate([("deep", 3, "shm"), ("mixed", 2, "pipe")]):
+        s = spec(seed, 20 + base, model, ranks)
+        name = f"test_one_allreduce_per_bucket[{model}-{ranks}-{transport}]"
+        train(name, 3, "_on_gradient_ready", s, transport, ref.count_check)
+    s = spec(seed, 30, "tied", 2)
+    train("test_overlap[tied-2-shm]", 4, "_on_gradient_ready", s, "shm", ref.overlap_check)
+    s = spec(seed, 31, "deep", 2)
+    train("test_trace_spans[deep-2-shm]", 2, "_launch", s, "shm", ref.trace_check)
+    for base, (model, ranks, transport) in enumerate([("deep", 2, "shm"), ("frozen", 3, "pipe")]):
+        s = spec(seed, 40 + base, model, ranks, accumulate=3)
+        name = f"test_no_sync_accumulates[{model}-{ranks}-{transport}]"
+        train(name, 3, "no_sync", s, transport, ref.no_sync_check)
+    return out
