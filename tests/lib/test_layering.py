@@ -1,0 +1,114 @@
+"""The layers of ``minidist`` (DESIGN.md): a module imports only its own layer and the ones below.
+
+Every module under ``lib/minidist`` is given a layer by the first part of its name (the table
+below; a module that no row names fails the test, so a new module must be placed). Every
+import it makes -- at the top, inside a function, ``import x``, ``from x import y`` and
+``from . import y`` -- is read from its syntax tree, and each one into a higher layer is
+reported with its file and line. The package root ``minidist`` (``import minidist as md``)
+re-exports names up to the ``parallel`` layer (DDP), so it counts as that layer.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import minidist
+
+LIB = Path(minidist.__file__).resolve().parent
+
+#: (layer, the first parts of module names after ``minidist.``), lowest first
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("foundations", ("errors", "comm", "trace", "optim", "quant", "measure", "_output", "_proc", "_stacks")),
+    ("transport", ("transport",)),
+    ("collectives", ("collectives",)),
+    ("launch", ("launch", "_torchrun")),
+    ("parallel", ("parallel",)),
+    ("data", ("data",)),
+    ("models", ("models", "glove")),
+    ("tools", ("memory", "serve", "bench")),
+]
+ROOT_LAYER = "parallel"  # what `import minidist` brings in (minidist/__init__.py)
+
+
+def layer_of(module: str) -> int | None:
+    """The index in LAYERS of ``module`` (a dotted name); None outside minidist."""
+    parts = module.split(".")
+    if parts[0] != "minidist":
+        return None
+    if len(parts) == 1:
+        return [name for name, _ in LAYERS].index(ROOT_LAYER)
+    for index, (_, firsts) in enumerate(LAYERS):
+        if parts[1] in firsts:
+            return index
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS in {__file__} (and to DESIGN.md)")
+
+
+def module_name(path: Path, lib: Path = LIB) -> str:
+    parts = ["minidist", *path.relative_to(lib).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, lib: Path = LIB) -> list[tuple[str, int]]:
+    """(imported module, line) for every import in ``path``, relative ones resolved."""
+    name = module_name(path, lib)
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package[: len(package) - node.level + 1], *filter(None, [base])])
+            # `from minidist import data` imports minidist.data; `from minidist.x import y` imports minidist.x
+            if base == "minidist":
+                found += [(f"minidist.{alias.name}", node.lineno) for alias in node.names]
+            else:
+                found.append((base, node.lineno))
+    return found
+
+
+def upward_imports(lib: Path = LIB) -> list[str]:
+    errors = []
+    for path in sorted(lib.rglob("*.py")):
+        name = module_name(path, lib)
+        if name == "minidist":
+            continue  # the package root re-exports; it is not a layer of its own
+        mine = layer_of(name)
+        for imported, line in imports_of(path, lib):
+            theirs = layer_of(imported)
+            if theirs is not None and theirs > mine:
+                errors.append(
+                    f"{path.relative_to(lib.parent)}:{line}: {name} ({LAYERS[mine][0]}) imports "
+                    f"{imported} ({LAYERS[theirs][0]})"
+                )
+    return errors
+
+
+def test_every_module_imports_only_its_layer_and_the_ones_below():
+    errors = upward_imports()
+    assert not errors, "imports into a higher layer:\n" + "\n".join(errors)
+
+
+def test_every_module_has_a_layer():
+    for path in LIB.rglob("*.py"):
+        assert layer_of(module_name(path)) is not None
+
+
+def test_the_check_catches_an_upward_import(tmp_path):
+    # the two upward imports this test once found, put back in copies, and a relative one
+    lib = tmp_path / "minidist"
+    (lib / "data").mkdir(parents=True)
+    (lib / "models").mkdir()
+    for init in ("__init__.py", "data/__init__.py", "models/__init__.py"):
+        (lib / init).write_text("")
+    (lib / "data" / "lm.py").write_text("from minidist.glove.data import cache_dir\n")
+    (lib / "models" / "pretrained.py").write_text("import torch\nfrom minidist.memory import tensor_bytes\n")
+    (lib / "transport.py").write_text("def f():\n    from . import collectives\n")
+    (lib / "launch.py").write_text("import minidist.transport\nfrom minidist import errors\n")  # allowed
+    errors = upward_imports(lib)
+    assert len(errors) == 3, errors
+    assert errors[0].startswith("minidist/data/lm.py:1: minidist.data.lm (data) imports minidist.glove.data")
+    assert "minidist.models.pretrained (models) imports minidist.memory (tools)" in errors[1]
+    assert "minidist/transport.py:2: minidist.transport (transport) imports minidist.collectives" in errors[2]
