@@ -223,6 +223,8 @@ class Assignment:
             groups.setdefault(case.test_function, []).append(case)
         tests = {}
         for name, group in groups.items():
+            if len({case.parameters is None for case in group}) > 1:
+                raise ValueError(f"{self.name}: cases of {name} must all have parameters or none")
             if group[0].parameters is None:
                 if len(group) != 1:
                     raise ValueError(
@@ -241,8 +243,6 @@ class Assignment:
         return pytest.mark.points(case.points)(test)
 
     def _parametrized_test(self, name: str, group: list[Case], pytest: ModuleType) -> Callable:
-        if any(case.parameters is None for case in group):
-            raise ValueError(f"{self.name}: cases of {name} must all have parameters or none")
         by_parameters = {case.parameters: case for case in group}
 
         def test(setup: str) -> None:
