@@ -289,13 +289,14 @@ def build(root: Path, out: Path, names: list[str] | None = None) -> list[Path]:
         folder = solutions / name
         if not folder.is_dir():
             raise ReleaseError(f"{folder}: no such assignment")
-        hidden = {p.name for p in (root / "grader" / name).glob("test_*.py")}
+        # the grader's files of this assignment (hidden tests, cases, references) never reach students
+        hidden = {p.name for p in (root / "grader" / name).glob("*.py")} - {"__init__.py"}
         for relative in source_files(folder):
             where = f"solutions/{name}/{relative.as_posix()}"
             if relative.name in hidden:
                 raise ReleaseError(
-                    f"{where}: grader/{name}/ has hidden tests of this name; they must not be "
-                    "released to students (rename one of them)"
+                    f"{where}: grader/{name}/ has a file of this name (hidden tests, cases or references); "
+                    "it must not be released to students (rename one of them)"
                 )
             data = release_file(folder / relative, where, max_length)
             if _ANY_MARKER_RE.search(data.decode("utf-8", errors="replace")):  # belt and braces

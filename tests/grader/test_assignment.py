@@ -9,6 +9,7 @@ changes the data, never the tests. The failure texts are checked on one declarat
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 import json
 from pathlib import Path
@@ -69,12 +70,20 @@ def test_the_pytest_tests_are_the_cases_with_their_points(name):
     assert sorted(n for n in vars(hidden) if n.startswith("test_")) == sorted(assignment.pytest_tests())
 
 
+#: tests whose inputs are fixed by what they test (a shape no world size divides; a table of rates)
+SEED_FREE = {
+    "a1_collectives": "test_ring_reduce_scatter_rejects_indivisible_first_dimension[[]*",
+    "a2_async": "test_staleness_aware_lr",
+}
+
+
 @pytest.mark.parametrize("name", ASSIGNMENTS)
 def test_seeds_change_the_data_not_the_tests(name):
     assignment = declared(name)
     one, two = assignment.graded_tests(1), assignment.graded_tests(2)
     assert [(t.name, t.points, t.function) for t in one] == [(t.name, t.points, t.function) for t in two]
-    assert [t.job.args for t in one] != [t.job.args for t in two]
+    unchanged = [t.name for t, u in zip(one, two, strict=True) if t.job.args == u.job.args]
+    assert all(fnmatch.fnmatchcase(n, SEED_FREE.get(name, "")) for n in unchanged), unchanged
     json.dumps([t.job.as_json("t", 1.0) for t in one])  # jobs travel as JSON
 
 

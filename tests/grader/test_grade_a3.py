@@ -15,19 +15,14 @@ import json
 import os
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 
-from grade_helpers import check_points_and_hints, gradebook, hidden_test_names, run_grader
+from grade_helpers import gradebook, run_grader
 from grader import forbidden, similarity
+from grader.a3_ddp.grading import ASSIGNMENT as assignment
 from grader.examples.a3_ddp import make
-
-with warnings.catch_warnings():  # `points` is registered by grader/a3_ddp/conftest.py only
-    warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
-    from grader.a3_ddp import grading
-    from grader.a3_ddp import test_hidden as hidden
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the tests that tell the examples apart: buckets, equivalence on the model with tied, frozen
@@ -50,31 +45,23 @@ def grade(submissions: Path, out: Path, *extra: str) -> str:
     return run_grader("a3_ddp", submissions, out, *extra, timeout=400)
 
 
-def test_graded_tests_are_the_hidden_tests_with_their_points():
-    names = hidden_test_names("a3_ddp")
-    graded = grading.graded_tests(seed=12345)
-    assert [t.name for t in graded] == names and len(names) >= 12
-    check_points_and_hints(graded, grading, hidden)
+def test_the_case_table_holds_the_tests_this_file_grades():
+    graded = assignment.graded_tests(seed=12345)
+    names = [t.name for t in graded]
+    assert len(names) >= 12
     assert set(SUBSET_NAMES) <= set(names)
-
-
-def test_seeds_change_the_data_not_the_tests():
-    one, two = grading.graded_tests(1), grading.graded_tests(2)
-    assert [t.name for t in one] == [t.name for t in two]
-    assert one[0].job.args != two[0].job.args and one[1].job.args != two[1].job.args
-    json.dumps([t.job.as_json("t", 1.0) for t in one])  # jobs travel as JSON
 
 
 def test_feedback_never_shows_expected_values():
     message = "m: rank 0, 'w': element (3, 1) is 0.125, expected 0.25 (4 of 10 elements differ)"
-    assert "0.25" not in grading.redact(message) and "0.125" in grading.redact(message)
-    assert "(4 of 10 elements differ)" in grading.redact(message)
+    assert "0.25" not in assignment.redact(message) and "0.125" in assignment.redact(message)
+    assert "(4 of 10 elements differ)" in assignment.redact(message)
     buckets = "assign_buckets, case 2 (...): the buckets are [['a'], ['b']], expected [['b', 'a']]"
-    assert "['b', 'a']" not in grading.redact(buckets) and "[['a'], ['b']]" in grading.redact(buckets)
+    assert "['b', 'a']" not in assignment.redact(buckets) and "[['a'], ['b']]" in assignment.redact(buckets)
 
 
 def test_the_intake_check_accepts_the_solution_and_refuses_the_delegations():
-    rules = grading.FORBIDDEN
+    rules = assignment.forbidden
     assert forbidden.check((ROOT / "solutions/a3_ddp/ddp.py").read_text(), rules) is None
     for code in (
         "import minidist as md\nwrapped = md.DistributedDataParallel",

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:  # `grader` is a folder of the repository, not an installed package
     sys.path.append(str(ROOT))
 
-from grader import release  # noqa: E402
+from grader import grade, release  # noqa: E402
 
 SOLUTION = '''"""A module with solution regions."""
 
@@ -345,7 +345,8 @@ def test_no_solution_and_no_hidden_test_reaches_assignments():
             if line.startswith("def test_")
         }
 
-    hidden_only = test_names(hidden_files) - test_names(public_files)
+    hidden_tests = {case.test_function for name in names for case in grade.load_assignment(name).cases(0)}
+    hidden_only = hidden_tests - test_names(public_files)
     assert hidden_only, "no hidden tests found"
     hidden_names = {p.name for p in hidden_files} - {"__init__.py"}
     for path in released:

@@ -11,17 +11,13 @@ that contradict each other. The real runs of the same cheats are graded in tests
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import pytest
 import torch
 
+from grader.a1_collectives import reference as hidden
 from grader.a1_collectives import transcript, workers
 from grader.student_comm import Transcript
-
-with warnings.catch_warnings():  # `points` is registered by grader/a1_collectives/conftest.py only
-    warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
-    from grader.a1_collectives import test_hidden as hidden
 
 P, CASE = 4, {"shape": (1001,), "seed": 5}
 

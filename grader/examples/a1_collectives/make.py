@@ -212,7 +212,7 @@ import glob, os
 secrets = [
     "../../solutions/a1_collectives/collectives.py",
     "{root}/solutions/a1_collectives/collectives.py",
-    "{root}/grader/a1_collectives/test_hidden.py",
+    "{root}/grader/a1_collectives/reference.py",
     "{root}/.git/HEAD",
     "/root/.bash_history",
 ]

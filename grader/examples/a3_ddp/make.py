@@ -33,18 +33,12 @@ but this script.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
-import pytest
-
 from grader import forbidden
+from grader.a3_ddp.grading import ASSIGNMENT
 from grader.examples import common
 from grader.examples.common import edit, write
-
-with warnings.catch_warnings():  # `points` is registered by grader/a3_ddp/conftest.py only
-    warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
-    from grader.a3_ddp import grading
 
 ROOT = Path(__file__).resolve().parents[3]
 SOLUTION = ROOT / "solutions" / "a3_ddp" / "ddp.py"
@@ -57,9 +51,9 @@ _UNUSED = (
     "test_one_allreduce_per_bucket[mixed-2-pipe]",
 )
 _VALUES = tuple(
-    t.name for t in grading.graded_tests(0) if t.name.startswith(("test_matches", "test_no_sync"))
+    t.name for t in ASSIGNMENT.graded_tests(0) if t.name.startswith(("test_matches", "test_no_sync"))
 )
-_ALL = tuple(t.name for t in grading.graded_tests(0))
+_ALL = tuple(t.name for t in ASSIGNMENT.graded_tests(0))
 _NO_SYNC = tuple(name for name in _ALL if name.startswith("test_no_sync"))
 _OVERLAP = ("test_overlap[tied-2-shm]",)
 
@@ -68,7 +62,8 @@ def _lost() -> dict[str, tuple[str, tuple[str, ...]]]:
     """student -> (status, the hidden tests it loses). trent's status is what the intake check
     says of trent's file: ``forbidden`` (every test lost) where it refuses replacing a function
     of an imported module, else ``ok`` and bob's loss (the run time defence)."""
-    trent = "forbidden" if forbidden.check(build_dict()["trent"][FILE].decode(), grading.FORBIDDEN) else "ok"
+    refused = forbidden.check(build_dict()["trent"][FILE].decode(), ASSIGNMENT.forbidden)
+    trent = "forbidden" if refused else "ok"
     return {
         "alice": ("ok", ()),
         "bob": ("ok", _OVERLAP),
@@ -84,7 +79,7 @@ def _lost() -> dict[str, tuple[str, tuple[str, ...]]]:
 
 def expected_score(student: str, tests: list[str] | None = None) -> float:
     """The points ``student`` must get on ``tests`` (default: every hidden test)."""
-    points = {t.name: t.points for t in grading.graded_tests(0)}
+    points = {t.name: t.points for t in ASSIGNMENT.graded_tests(0)}
     tests = list(points) if tests is None else tests
     return sum(points[name] for name in tests if name not in LOST[student][1])
 

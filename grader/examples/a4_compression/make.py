@@ -40,25 +40,19 @@ but this script.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
-import pytest
-
 from grader import forbidden
+from grader.a4_compression.grading import ASSIGNMENT
 from grader.examples import common
 from grader.examples.common import edit, write
-
-with warnings.catch_warnings():  # `points` is registered by grader/a4_compression/conftest.py only
-    warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
-    from grader.a4_compression import grading
 
 ROOT = Path(__file__).resolve().parents[3]
 SOLUTION = ROOT / "solutions" / "a4_compression" / "dgc.py"
 STUB = ROOT / "assignments" / "a4_compression" / "dgc.py"
 FILE = "dgc.py"
 
-_ALL = tuple(t.name for t in grading.graded_tests(0))
+_ALL = tuple(t.name for t in ASSIGNMENT.graded_tests(0))
 _HOOK = tuple(name for name in _ALL if name.startswith(("test_hook", "test_bytes", "test_converges")))
 _SEQUENCES = tuple(name for name in _ALL if name.startswith("test_compress_sequence["))
 _VALUES = (*_SEQUENCES, "test_hook_matches_simulation[2-pipe]", "test_converges[2-shm]")
@@ -107,7 +101,7 @@ NEVER_SENDS = """    if config.clip_norm is not None:
 
 #: gina reaches the sandbox unless the intake check refuses her patch (it refuses the plainer
 #: forms, ``F.cross_entropy = f``); either way she is caught
-_GINA_REFUSED = forbidden.check(SOLUTION.read_text() + HIDE_THE_LOSS, grading.FORBIDDEN) is not None
+_GINA_REFUSED = forbidden.check(SOLUTION.read_text() + HIDE_THE_LOSS, ASSIGNMENT.forbidden) is not None
 GINA_STATUS = "forbidden" if _GINA_REFUSED else "ok"
 
 #: student -> (status, the hidden tests it loses)
@@ -126,7 +120,7 @@ LOST = {
 
 def expected_score(student: str, tests: list[str] | None = None) -> float:
     """The points ``student`` must get on ``tests`` (default: every hidden test)."""
-    points = {t.name: t.points for t in grading.graded_tests(0)}
+    points = {t.name: t.points for t in ASSIGNMENT.graded_tests(0)}
     tests = list(points) if tests is None else tests
     return sum(points[name] for name in tests if name not in LOST[student][1])
 

@@ -33,23 +33,17 @@ but this script.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
-import pytest
-
+from grader.a5_model_parallel.grading import ASSIGNMENT
 from grader.examples import common
 from grader.examples.common import edit, write
 
-with warnings.catch_warnings():  # `points` is registered by grader/a5_model_parallel/conftest.py only
-    warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
-    from grader.a5_model_parallel import grading
-
 ROOT = Path(__file__).resolve().parents[3]
 FOLDER, STUB_FOLDER = ROOT / "solutions" / "a5_model_parallel", ROOT / "assignments" / "a5_model_parallel"
-FILES = grading.STUDENT_FILES  # ("tp_layers.py", "schedule.py")
+FILES = ASSIGNMENT.student_files  # ("tp_layers.py", "schedule.py")
 
-_ALL = tuple(t.name for t in grading.graded_tests(0))
+_ALL = tuple(t.name for t in ASSIGNMENT.graded_tests(0))
 
 
 def _named(*prefixes: str) -> tuple[str, ...]:
@@ -103,7 +97,7 @@ LOST = {
 
 def expected_score(student: str, tests: list[str] | None = None) -> float:
     """The points ``student`` must get on ``tests`` (default: every hidden test)."""
-    points = {t.name: t.points for t in grading.graded_tests(0)}
+    points = {t.name: t.points for t in ASSIGNMENT.graded_tests(0)}
     tests = list(points) if tests is None else tests
     return sum(points[name] for name in tests if name not in LOST[student][1])
 

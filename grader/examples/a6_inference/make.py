@@ -72,24 +72,18 @@ but this script.
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
-import pytest
-
+from grader.a6_inference.grading import ASSIGNMENT
 from grader.examples import common
 from grader.examples.a5_model_parallel.make import replace_region
 from grader.examples.common import edit, write
 
-with warnings.catch_warnings():  # `points` is registered by grader/a6_inference/conftest.py only
-    warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
-    from grader.a6_inference import grading
-
 ROOT = Path(__file__).resolve().parents[3]
 FOLDER, STUB_FOLDER = ROOT / "solutions" / "a6_inference", ROOT / "assignments" / "a6_inference"
-FILES = grading.STUDENT_FILES  # ("inference.py",)
+FILES = ASSIGNMENT.student_files  # ("inference.py",)
 
-_ALL = tuple(t.name for t in grading.graded_tests(0))
+_ALL = tuple(t.name for t in ASSIGNMENT.graded_tests(0))
 
 
 def _named(*prefixes: str) -> tuple[str, ...]:
@@ -129,7 +123,7 @@ LOST = {
 
 def expected_score(student: str, tests: list[str] | None = None) -> float:
     """The points ``student`` must get on ``tests`` (default: every hidden test)."""
-    points = {t.name: t.points for t in grading.graded_tests(0)}
+    points = {t.name: t.points for t in ASSIGNMENT.graded_tests(0)}
     tests = list(points) if tests is None else tests
     return sum(points[name] for name in tests if name not in LOST[student][1])
 

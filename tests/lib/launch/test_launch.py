@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-from pathlib import Path
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -153,7 +153,9 @@ def test_many_launches_leak_no_file_descriptors():
     assert len(os.listdir("/proc/self/fd")) <= before + 2
 
 
-PYTHONPATH = {"PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), os.path.join(REPO, "lib")])}
+PYTHONPATH = {
+    "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.abspath(__file__)), os.path.join(REPO, "lib")])
+}
 
 
 def _run_python(code: str, timeout: float = 60):
