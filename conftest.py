@@ -10,8 +10,58 @@ import time
 
 import pytest
 
-# per-notebook execution times at the end of the run, and the 6-minute hang guard
-pytest_plugins = ["tests.plugins.notebook_times"]
+# per-notebook execution times at the end of the run, and the 6-minute hang guard; a per-file
+# time table (where the suite's minutes go)
+pytest_plugins = ["tests.plugins.notebook_times", "tests.plugins.file_times"]
+
+# --- the tiers, by path (tests/README.md) -----------------------------------------------------------
+# A test's tier markers come from where it lives, never from a decorator: `make check` runs what is
+# "not slow and not notebooks and not browser and not gpu"; `make test` runs everything. A path is
+# a file or a folder (ending in "/"), relative to the repository root; a notebook is anything that
+# nbval collects (*.ipynb).
+PATH_MARKERS: dict[str, tuple[str, ...]] = {
+    "slow": (
+        # sandboxed grading batches: each grades example students, solutions and stubs in the grader
+        "tests/grader/batches/",
+        "tests/grader/test_grade_isolation.py",  # grades from inside a sandbox
+        "tests/grader/test_grade_limits.py",  # grades the solution under a memory limit
+        "tests/grader/test_grade_release.py",  # installs the student repository in a fresh .venv
+        # pytest runs of every assignment's public and hidden tests on the solutions and stubs
+        "tests/course/test_assignments.py",
+        # the public tests of the solutions, as `make test` collects them
+        "solutions/",
+        # whole benchmarks and multi-node launches
+        "tests/lib/tools/test_bench.py",
+        "tests/lib/launch/test_torchrun.py",
+    ),
+    "browser": ("tests/course/browser/",),
+    "gpu": ("tests/lib/test_gpu.py",),  # and every test whose name says "cuda" (markers_for)
+}
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def markers_for(path: str, name: str = "") -> list[str]:
+    """The tier markers of test ``name`` in file ``path`` (relative to the repository root, with ``/``).
+
+    A CUDA test lives beside the CPU tests of the same code and says so in its name
+    (``test_..._on_cuda``): it is marked ``gpu`` wherever it is.
+    """
+    found = ["notebooks"] if path.endswith(".ipynb") else []
+    if "cuda" in name.lower():
+        found.append("gpu")
+    for marker, prefixes in PATH_MARKERS.items():
+        if any(path == prefix or (prefix.endswith("/") and path.startswith(prefix)) for prefix in prefixes):
+            found.append(marker)
+    return found
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = os.path.relpath(str(item.path), ROOT).replace(os.sep, "/")
+        for marker in markers_for(path, item.name):
+            if marker not in item.keywords:
+                item.add_marker(marker)
+
 
 SHM_DIR = "/dev/shm"
 

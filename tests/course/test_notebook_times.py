@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import nbformat
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,7 +26,6 @@ def _run_nbval(folder: Path, guard_s: float) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=180)
 
 
-@pytest.mark.slow
 def test_times_are_printed_per_notebook_and_the_guard_fails_a_slow_one(tmp_path):
     fast = _run_nbval(tmp_path, guard_s=600)
     assert fast.returncode == 0, fast.stdout + fast.stderr

@@ -81,7 +81,6 @@ def test_setup_is_idempotent():
     assert "pip install" not in result.stdout
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_jupyterlab_serves_notebook_01(tmp_path):
     port, token = free_port(), "minidist-test-token"

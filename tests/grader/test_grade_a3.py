@@ -11,7 +11,6 @@ past the intake check, straight into the hidden tests: the worker's own defences
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import subprocess
 import sys
@@ -19,10 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from grade_helpers import gradebook, run_grader
 from grader import forbidden, similarity
 from grader.a3_ddp.grading import ASSIGNMENT as assignment
-from grader.examples.a3_ddp import make
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the tests that tell the examples apart: buckets, equivalence on the model with tied, frozen
@@ -39,10 +36,6 @@ SUBSET_NAMES = [
     "test_overlap[tied-2-shm]",
     "test_no_sync_accumulates[deep-2-shm]",
 ]
-
-
-def grade(submissions: Path, out: Path, *extra: str) -> str:
-    return run_grader("a3_ddp", submissions, out, *extra, timeout=400)
 
 
 def test_the_case_table_holds_the_tests_this_file_grades():
@@ -76,37 +69,6 @@ def test_the_intake_check_accepts_the_solution_and_refuses_the_delegations():
         "class D:\n    def f(self):\n        self.recorder.begin.__self__._spans.clear()\n",
     ):
         assert forbidden.check(code, rules) is not None, code
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_the_examples_and_the_stub_get_their_scores(tmp_path):
-    submissions = tmp_path / "subs"
-    make.write(submissions, make.build_dict())
-    (submissions / "stub").mkdir()
-    (submissions / "stub" / make.FILE).write_bytes(make.STUB.read_bytes())
-    out = tmp_path / "out"
-    selection = [arg for pattern in SUBSET for arg in ("--tests", pattern)]
-    grade(submissions, out, "--jobs", "2", "--test-timeout", "20", *selection)
-    book = gradebook(out)
-    assert (
-        book["alice"]["score"]
-        == book["alice"]["max_score"]
-        == f"{make.expected_score('alice', SUBSET_NAMES):g}"
-    )
-    for student, (status, _) in make.LOST.items():
-        score = make.expected_score(student, SUBSET_NAMES)
-        assert (book[student]["status"], float(book[student]["score"])) == (status, score), book[student]
-    assert book["stub"]["score"] == "0" and book["stub"]["status"] == "ok"
-    stub = json.loads((out / "stub" / "results.json").read_text())
-    assert all("NotImplementedError" in t["output"] and "TODO(task" in t["output"] for t in stub["tests"])
-    assert "did not finish within 20 s" in (out / "dave" / "feedback.md").read_text()
-    assert "nothing overlaps backward" in (out / "bob" / "feedback.md").read_text()
-    assert "bucket 1 (in launch order)" in (out / "lazy" / "feedback.md").read_text()
-    assert "no attribute 'phase'" in (out / "mallory" / "feedback.md").read_text()
-    assert "which is wrong" in (out / "carol" / "feedback.md").read_text()
-    assert "minidist.DistributedDataParallel" in book["frank"]["reason"]
-    assert float(book["alice"]["similarity"]) < similarity.FLAG_AT
 
 
 GUARD_PROBE = """
@@ -187,36 +149,3 @@ def test_the_recorder_a_submission_gets_leads_nowhere():
     assert span["phase"] == [2, 1] and span["bytes"] == 64 and span["begin_ns"] <= span["end_ns"]
     span["phase"].append(-1)  # changing one record's phase changes no other and not the log's
     assert log._phase == (2, 1)
-
-
-def hidden_tests_on(submission: Path, selection: str) -> str:
-    """The hidden tests matching ``selection`` on ``submission``, with no intake check before."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(submission), str(ROOT)])}
-    command = [
-        sys.executable,
-        "-m",
-        "pytest",
-        "grader/a3_ddp",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        "-k",
-        selection,
-    ]
-    result = subprocess.run(
-        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, start_new_session=True
-    )
-    return result.stdout + result.stderr
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_the_forgeries_fail_even_past_the_intake_check(tmp_path):
-    # trent's replaced time.perf_counter_ns: the worker's clock was bound before the import, and
-    # the overlap check orders events by sequence numbers; mallory's phase relabel: no phase to
-    # reach. Each loses the test it forges, as the honest no-overlap / no no_sync would.
-    make.write(tmp_path, make.build_dict())
-    trent = hidden_tests_on(tmp_path / "trent", "test_overlap or test_trace_spans")
-    assert "1 failed, 1 passed" in trent and "nothing overlaps backward" in trent, trent[-3000:]
-    mallory = hidden_tests_on(tmp_path / "mallory", "test_no_sync_accumulates and deep")
-    assert "1 failed" in mallory and "no attribute 'phase'" in mallory, mallory[-3000:]

@@ -20,7 +20,6 @@ a fixed seed key; about a minute on 2 busy cores).
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import os
 import subprocess
@@ -32,12 +31,10 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from grade_helpers import gradebook, run_grader
 from grader import forbidden, guard, similarity
 from grader.a6_inference import cases as table
 from grader.a6_inference import reference, workers
 from grader.a6_inference.grading import ASSIGNMENT as assignment
-from grader.examples.a6_inference import make
 from minidist import quant
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -454,51 +451,3 @@ def test_the_run_time_guard_refuses_the_library_and_leaves_plain_torch_alone(tmp
 
 
 # --- the whole pipeline ---------------------------------------------------------------------------------
-def grade(submissions: Path, out: Path, *extra: str) -> str:
-    return run_grader("a6_inference", submissions, out, *extra, timeout=500)
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(500)
-def test_the_examples_and_the_stub_get_their_scores(tmp_path):
-    submissions = tmp_path / "subs"
-    make.write(submissions, make.build_dict())
-    (submissions / "stub").mkdir()
-    for name in make.FILES:
-        (submissions / "stub" / name).write_bytes((make.STUB_FOLDER / name).read_bytes())
-    out = tmp_path / "out"
-    selection = [arg for pattern in SUBSET for arg in ("--tests", pattern)]
-    grade(submissions, out, "--jobs", "2", "--test-timeout", "30", "--seed-key", "k", *selection)
-    book = gradebook(out)
-    assert (
-        book["alice"]["score"]
-        == book["alice"]["max_score"]
-        == f"{make.expected_score('alice', SUBSET_NAMES):g}"
-    )
-    for student, (status, _) in make.LOST.items():
-        score = make.expected_score(student, SUBSET_NAMES)
-        assert (book[student]["status"], float(book[student]["score"])) == (status, score), book[student]
-    assert book["stub"]["score"] == "0" and book["stub"]["status"] == "ok"
-    stub = json.loads((out / "stub" / "results.json").read_text())
-    assert all("NotImplementedError" in t["output"] and "TODO(task" in t["output"] for t in stub["tests"])
-    assert "high four bits" in (out / "dave" / "feedback.md").read_text()
-    assert "projection saw" in (out / "erin" / "feedback.md").read_text()
-    assert "minidist.quant" in book["frank"]["reason"]
-    # the red team's, closed (the scores: ``make.LOST``)
-    for cheat in ("fp32_inside", "hidden_storage"):
-        feedback = (out / cheat / "feedback.md").read_text()
-        assert "storage" in feedback and "the format" in feedback, cheat
-    assert "dtype" in (out / "int8_float" / "feedback.md").read_text()
-    assert "tb_frame" in book["frame_walk"]["reason"]
-    assert "scaled_dot_product_attention" in book["fused_attention"]["reason"]
-    # the second red team's, closed (``make.LOST``)
-    assert "scaled_dot_product_attention" in book["ops_attention"]["reason"]
-    assert "minidist.models.checkpointing" in book["library_core"]["reason"]
-    assert "torch.nn.attention" in book["flex_attention"]["reason"]
-    assert "torch.overrides" in book["mode_numel"]["reason"]
-    assert "vmap" in book["vmap_rows"]["reason"]
-    assert "OneRow" in book["subclass_numel"]["reason"] and "run time" in book["subclass_numel"]["reason"]
-    assert "torch.jit" in book["traced_weights"]["reason"]
-    assert "getattr" in book["closure_log"]["reason"]
-    assert "does not require grad" in (out / "autograd_weights" / "feedback.md").read_text()
-    assert float(book["alice"]["similarity"]) < similarity.FLAG_AT

@@ -2,21 +2,16 @@
 
 The limits are options: their values are read with a unit suffix and refused with a message
 that says what to write; they are part of the configuration digest (a resume with other limits
-grades again); and a memory limit too small for the solution makes its grading fail with the
-memory-limit reason instead of passing.
+grades again). That a memory limit too small for the solution makes its grading fail with the
+memory-limit reason is graded in ``batches/test_limits.py``.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-from grader import cgroups, grade
+from grader import grade
 from grader.__main__ import build_parser
-from grader.examples.a1_collectives import make
-from test_grade import grade as run_grade
-from test_grade import gradebook
 
 KIB, MIB, GIB = 1024, 1024**2, 1024**3
 
@@ -88,22 +83,3 @@ def test_every_limit_is_part_of_the_configuration_digest():
     ]
     digests = {grade.config_digest("a1_collectives", args, "key") for args in changed}
     assert len(digests) == 4 and base not in digests
-
-
-@pytest.mark.skipif(
-    not (hasattr(os, "geteuid") and os.geteuid() == 0 and cgroups.probe().get("memory")),
-    reason="needs root and a cgroup v1 memory controller that can be created here",
-)
-@pytest.mark.timeout(900)  # it may wait for another grading run's sandbox users first
-def test_a_small_memory_limit_applies_to_the_solution(tmp_path):
-    """The solution under 64 MiB (torch alone needs more): killed for the limit, no points."""
-    submissions, out = tmp_path / "subs", tmp_path / "out"
-    make.write(submissions, {"alice": make.build_dict()["alice"]})
-    output = run_grade(
-        submissions, out, "--sandbox-memory", "64M", tests=["test_tree_broadcast[[]3]"], timeout=800
-    )
-    assert "sandbox limits per submission: memory 64 MiB" in output
-    row = gradebook(out)["alice"]
-    assert float(row["score"]) == 0 and float(row["max_score"]) == 1
-    assert row["status"] == "crashed"
-    assert "killed for exceeding the sandbox's memory limit (64 MiB" in row["reason"]

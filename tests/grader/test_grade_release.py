@@ -13,7 +13,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SOLUTION_LINE = "exchange(comm, chunk((rank - step) % p), right, chunk((rank - step - 1) % p), left)"
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_student_repository_has_no_solution_and_its_public_tests_fail_cleanly(tmp_path):
     repo = tmp_path / "student"

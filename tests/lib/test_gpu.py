@@ -8,8 +8,6 @@ import torch
 import minidist as md
 import workers
 
-pytestmark = pytest.mark.gpu
-
 
 def _world_size() -> int:
     return 2 if torch.cuda.device_count() >= 2 else 1

@@ -11,7 +11,7 @@ import psutil
 import pytest
 import requests
 
-pytestmark = [pytest.mark.browser, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 
 NEWS = "@jupyterlab/apputils-extension:notification"
 NOTEBOOK_01 = "notebooks/01_processes_pipes_shared_memory.ipynb"

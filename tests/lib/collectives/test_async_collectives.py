@@ -105,7 +105,6 @@ def test_close_stops_the_comm_thread_after_queued_work(transport):
         assert out["pending_value"] == [2.0] * 8
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("transport", ["shm", "pipe"])
 def test_async_allreduce_of_cuda_tensors(transport):
     if not torch.cuda.is_available():

@@ -209,7 +209,6 @@ def test_pretraining_lowers_held_out_loss(tok, eval_blocks, one_thread):
     assert again == result.after
 
 
-@pytest.mark.gpu
 def test_cuda_ids_get_the_same_masks_from_a_cpu_generator(tok, eval_blocks):
     ids = eval_blocks[:8]
     on_cpu = data.mask_tokens(ids, tok, torch.Generator().manual_seed(5))

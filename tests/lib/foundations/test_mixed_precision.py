@@ -183,7 +183,6 @@ def test_state_bytes_match_the_per_parameter_formula():
     assert mixed == {"params": 6 * n, "grads": 6 * n, "optimizer": 8 * n + steps, "total": 20 * n + steps}
 
 
-@pytest.mark.gpu
 def test_cuda_fp16_master_weights_track_fp32_and_skip_overflows():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

@@ -372,7 +372,6 @@ def test_quantized_decoder_close_to_fp32():
     assert errors["bf16"] < errors["int8"] < errors["nf4"] < 0.2
 
 
-@pytest.mark.gpu
 def test_cuda_tensors_match_cpu():
     w = torch.randn(64, 128, generator=generator(14))
     x = torch.randn(8, 128, generator=generator(15))

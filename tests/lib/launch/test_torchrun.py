@@ -16,7 +16,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_two_torchrun_node_groups_run_one_job(tmp_path):
     port = free_port()

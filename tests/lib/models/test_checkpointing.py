@@ -219,7 +219,6 @@ def test_bad_input():
         ck.apply_checkpointing(nn.Linear(2, 2), "full")
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_checkpointing_on_cuda(mode):
     model = build(causal=True, dropout=0.1).cuda()

@@ -349,7 +349,6 @@ def test_measure_tokens_per_s_restores_threads_and_checks_its_input():
 # --- CUDA -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("position", ["learned", "alibi"])
 def test_cache_on_cuda_equals_full_forward(position):
     model = tiny_model(position).to("cuda")

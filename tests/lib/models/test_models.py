@@ -255,7 +255,6 @@ def test_bad_input_gets_clear_errors():
         decoder.DecoderLM(bert.CONFIGS["tiny"])
 
 
-@pytest.mark.gpu
 def test_cuda_forward_and_backward_match_cpu():
     cpu_model = _bert()
     cuda_model = _bert().cuda()

@@ -272,7 +272,6 @@ def test_bench_experiment_counts_bert_bytes_against_the_formulas():
     assert by_label["dense"]["formula_bytes"] == traffic.dense_ring_bytes(result["numel"], 2)
 
 
-@pytest.mark.gpu
 def test_dgc_step_sparse_sum_and_sign_bits_on_cuda_equal_cpu():
     """The compressors are device-agnostic tensor code: on a GPU they give the CPU's result."""
     n, config = 20_000, dgc.DGCConfig(sparsity=0.99, sample_ratio=1.0)

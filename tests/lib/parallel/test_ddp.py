@@ -210,7 +210,6 @@ def test_bert_tiny_through_ddp_equals_one_process():
     assert names.count("transformer.embeddings.word.weight") == 1  # tied with the MLM head: once
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_ddp_bench_smoke(tmp_path, capsys):
     """The benchmark end to end on BERT tiny, one measured step, every row present."""

@@ -305,7 +305,6 @@ def test_load_dense_checks_shapes():
 
 
 # --- CUDA ---------------------------------------------------------------------------------------
-@pytest.mark.gpu
 def test_decoder_equals_dense_model_on_cuda(module_case, decoder_cases):
     outs = md.launch(w.all_checks, 2, args=(module_case, decoder_cases), timeout=180, device="cuda")
     for i, case in enumerate(decoder_cases):

@@ -127,7 +127,6 @@ def test_a_crashed_rank_ends_the_launch():
         md.launch(w.crash_in_step, 2, args=(w.config(stage=3),), transport="pipe", timeout=30)
 
 
-@pytest.mark.gpu
 def test_stage3_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")

@@ -31,7 +31,6 @@ def run_bench(*args: str, out) -> str:
     return result.stdout
 
 
-@pytest.mark.slow
 def test_p2p_benchmark_reports_every_transport_against_gloo(tmp_path):
     out = run_bench("p2p", "--max-size", "64KiB", "--repeats", "1", "--scale", "0.02", out=tmp_path)
     for column in ["pipe us", "shm GB/s", "torch us", "gloo us", "x gloo"]:
@@ -47,7 +46,6 @@ def test_p2p_benchmark_reports_every_transport_against_gloo(tmp_path):
     assert (tmp_path / "p2p.png").stat().st_size > 10_000
 
 
-@pytest.mark.slow
 def test_launch_benchmark_reports_ours_against_torch_spawn(tmp_path):
     out = run_bench("launch", "--world-sizes", "2", "--repeats", "1", out=tmp_path)
     assert "torch.mp.spawn ms" in out and "x torch" in out
@@ -57,7 +55,6 @@ def test_launch_benchmark_reports_ours_against_torch_spawn(tmp_path):
     assert (tmp_path / "launch.png").exists()
 
 
-@pytest.mark.slow
 def test_collectives_benchmark_reports_every_algorithm_against_gloo(tmp_path):
     out = run_bench(
         "collectives",
@@ -88,7 +85,6 @@ def test_collectives_benchmark_reports_every_algorithm_against_gloo(tmp_path):
         assert report["alpha_us"] > 0 and report["beta_GBps"] > 0
 
 
-@pytest.mark.slow
 def test_glove_benchmark_reports_every_trainer_against_single(tmp_path):
     out = run_bench("glove", "--corpus", "small", "--epochs", "1", "--workers", "2", out=tmp_path)
     assert "x single" in out and "x base" in out and "WS353" in out and "goals:" in out
@@ -189,7 +185,6 @@ def test_glove_python_baseline_learns_through_the_benchmark(small_glove, tmp_pat
     assert row["pairs_per_second"] > 0
 
 
-@pytest.mark.slow
 def test_model_parallel_benchmark_reports_every_row_and_bytes_equal_the_formulas(tmp_path):
     """Tiny decoder, 2 ranks: every row is printed, the bytes each rank sent equal the formulas
     (written out again here), and every row trained the same thing (same last-step loss)."""

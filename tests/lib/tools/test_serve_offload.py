@@ -320,7 +320,6 @@ def test_demo_deletes_only_the_checkpoint_it_wrote(tmp_path, monkeypatch):
 
 
 # --- resident memory, measured in child processes --------------------------------------------
-@pytest.mark.slow
 def test_peak_rss_stays_within_the_budget(tmp_path):
     """A 53 MB checkpoint (16 blocks of 3.2 MB, a 2 MB resident part) runs in 8.5 MB of weights.
 
@@ -369,7 +368,6 @@ def test_measurement_rejects_bad_input(checkpoint):
 
 
 # --- CUDA: blocks streamed to the GPU -----------------------------------------------------------
-@pytest.mark.gpu
 def test_blocks_stream_to_cuda(tmp_path):
     """Weights read from the shards and copied to the GPU one block at a time: the GPU holds the
     resident part and at most two blocks (3.2 MB each here), never the 25 MB of blocks."""

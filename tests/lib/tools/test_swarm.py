@@ -505,7 +505,6 @@ def test_every_server_is_stopped_when_the_client_code_raises(checkpoint):
     assert not [c for c in psutil.Process().children(recursive=True) if c.pid in pids]
 
 
-@pytest.mark.slow  # a fresh interpreter imports torch twice (client, its fork server): ~10 s
 def test_servers_exit_when_the_client_process_dies(checkpoint, tmp_path):
     directory, _ = checkpoint
     pid_file = tmp_path / "pids"
@@ -528,7 +527,6 @@ def test_servers_exit_when_the_client_process_dies(checkpoint, tmp_path):
 
 
 # --- CUDA ---------------------------------------------------------------------------------------
-@pytest.mark.gpu
 def test_servers_on_cuda_generate_like_the_local_model(checkpoint):
     """Blocks and KV caches on the GPU (hidden states travel through the CPU, as over a network)."""
     directory, _ = checkpoint

@@ -53,7 +53,6 @@ def test_messages_across_chunk_boundaries(transport, nbytes):
     assert md.launch(workers.big_message, 2, args=(nbytes,), transport=transport, timeout=60) == [True, True]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_message_larger_than_2_gib(transport):
     nbytes = (1 << 31) + (1 << 20)  # past every 32-bit length field
