@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         path = os.path.relpath(str(item.path), ROOT).replace(os.sep, "/")
         for marker in markers_for(path, item.name):
-            if marker not in item.keywords:
+            if item.get_closest_marker(marker) is None:
                 item.add_marker(marker)
 
 
