@@ -22,7 +22,7 @@ the library files; skipped are the helpers the assignment gives (every submissio
 ``grading.GIVEN_FUNCTIONS``) and functions shorter than ``MIN_TOKENS`` tokens.
 ``FLAG_AT`` is calibrated on the reference solutions and the example students, which stay
 below it, and on a copy of ``ring.py`` adapted to the task, which is above
-(``tests/test_grade.py`` and ``tests/test_grade_a2.py`` check all three).
+(``tests/grader/test_grade.py`` and ``tests/grader/test_grade_a2.py`` check all three).
 """
 
 from __future__ import annotations

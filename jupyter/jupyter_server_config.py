@@ -1,4 +1,4 @@
-"""JupyterLab settings the course ships (`make lab` and tests/browser point JUPYTER_CONFIG_PATH here).
+"""JupyterLab settings the course ships (`make lab` and tests/course/browser point JUPYTER_CONFIG_PATH here).
 
 They add to your own Jupyter configuration; nothing here is written to your home directory.
 

@@ -4,7 +4,7 @@ Nothing here runs next to student code, and nothing here uses the library's comp
 (``minidist.parallel.compression``) or the solution: DGC is written again from the stub's
 specification, in plain Python where the order matters (the threshold, the choice among the
 chosen, the tie-break), so that a bug in the library or the solution is not graded as right.
-``tests/test_grade_a4.py`` checks this reference against the library on random data.
+``tests/grader/test_grade_a4.py`` checks this reference against the library on random data.
 
 Each ``*_check`` returns a function of the ranks' reports (read back as data) that raises
 ``AssertionError`` with a message a student may read (``grading.redact`` removes the expected

@@ -5,7 +5,7 @@ Nothing here runs next to student code, and nothing here uses the library's tens
 parallelism (``minidist.parallel.tensor``/``pipeline``) or the solution: the dense model is plain
 torch in this process, and the 1F1B schedule is derived again from its definition (stage r may
 hold at most p - r microbatches, and starts a backward as soon as it may), so that a bug in the
-library or the solution is not graded as right. ``tests/test_grade_a5.py`` checks the reference
+library or the solution is not graded as right. ``tests/grader/test_grade_a5.py`` checks the reference
 against the solution's schedules.
 
 Each ``*_check`` returns a function of the ranks' reports (read back as data) that raises

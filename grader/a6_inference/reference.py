@@ -3,7 +3,7 @@ the checks.
 
 Nothing here runs next to student code, and nothing here uses the library's quantization or
 generation (``minidist.quant``, ``minidist.models.generate``) or the solution: int8 and NF4 are
-written again from their definitions (``tests/test_grade_a6.py`` checks them against
+written again from their definitions (``tests/grader/test_grade_a6.py`` checks them against
 ``minidist.quant``, the library's tested implementation), and attention is recomputed over the
 whole sequence every time -- no cache -- so that a bug in a cache is never graded as right.
 

@@ -3,7 +3,7 @@ namespaces, no_new_privs, private tmpfs over world-writable directories, a read-
 
 Each test runs one command through ``sandbox.run`` and looks from inside. The attackers of
 ``grader/examples/a1_collectives/isolation.py`` are graded beside the solution in
-``tests/test_grade_hostile.py``'s batch. Skipped unless the grader can isolate here (root, with
+``tests/grader/batches/test_hostile.py``'s batch. Skipped unless the grader can isolate here (root, with
 namespaces).
 """
 

@@ -4,7 +4,7 @@ Fast unit tests of the sanitiser (``grader/text.py``), the byte caps and the JSO
 (``grader/wire.py``), the size checks and reserved ids at intake, the iterative remover
 (``grader/tree.py``) and the writers (``grader/report.py``). The hostile examples of
 ``grader/examples/a1_collectives/robust.py`` are graded beside ``alice`` (the solution) in
-``tests/test_grade_hostile.py``'s batch, which uses ``strict_json`` and ``lines_outside_fences``.
+``tests/grader/batches/test_hostile.py``'s batch, which uses ``strict_json`` and ``lines_outside_fences``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Each rank's transcript is written by the real recorder (``student_comm.Transcrip
 one-process simulation of what the ranks send and receive; the replay must accept the textbook
 ring and a gather-then-add allreduce (right values, another algorithm), and refuse answers
 that no message carried, dummy messages, sums sent before their data arrived, and recordings
-that contradict each other. The real runs of the same cheats are graded in tests/test_grade.py
+that contradict each other. The real runs of the same cheats are graded in tests/grader/batches/test_a1.py
 (``no_comm``, ``dummy_sends``, ``acausal_sums``).
 """
 

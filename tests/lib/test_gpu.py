@@ -29,7 +29,7 @@ def test_each_rank_gets_its_own_gpu():
     assert [o[3] for o in outs] == [f"cuda:{r}" for r in range(len(outs))]
 
 
-# --- DistributedDataParallel on CUDA (tests/ddp_workers.py; run: pytest -m gpu tests/test_gpu.py -k ddp) ---
+# --- DistributedDataParallel on CUDA (tests/lib/parallel/ddp_workers.py; pytest tests/lib/test_gpu.py -k ddp)
 def _ddp_reference(cfg):
     import ddp_workers
 

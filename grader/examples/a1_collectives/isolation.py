@@ -1,5 +1,5 @@
 """Hostile students of assignment 1 that attack *other* sandboxes (issue 15), for
-``tests/test_grade_hostile.py``.
+``tests/grader/batches/test_hostile.py``.
 
 Each is the solution (so it scores full itself when the attack is harmless) plus a snippet run
 when ``collectives.py`` is imported; the snippets use ``subprocess`` (allowed in a1) to run shell

@@ -10,7 +10,7 @@
   ``frank.zip`` (correct, inside an extra folder, with a conftest.py and pytest.ini that must
   change nothing);
 * with ``--bad``, the hostile and broken cases the grader's tests use (``BAD``: each with
-  the status and the score it must get on ``tests/test_grade.py``'s subset of tests), and
+  the status and the score it must get on ``tests/grader/batches/test_a1.py``'s subset of tests), and
   the ones that cheat (``CHEATING``): a call of ``md.allreduce`` (refused at intake), the same
   function reached through another module that imports it (``data_parallel.allreduce``: the
   intake check cannot resolve it, the run time guard refuses the call), ``torch.distributed``'s
@@ -454,7 +454,8 @@ def without_messages(solution: str, functions: dict[str, str]) -> str:
     return source
 
 
-#: student -> (status, score) on tests/test_grade.py's SUBSET (5 tests, 6 points); forbidden: 0 in all
+#: student -> (status, score) on tests/grader/batches/test_a1.py's SUBSET (5 tests, 6 points);
+#: forbidden: 0 in all
 CHEATING = {
     "library_call": ("forbidden", 0),
     "obfuscated_call": ("forbidden", 0),
@@ -469,7 +470,7 @@ CHEATING = {
     "acausal_sums": ("ok", 3),
 }
 
-#: student -> (status, score) on tests/test_grade.py's SUBSET (5 tests, 6 points)
+#: student -> (status, score) on tests/grader/batches/test_a1.py's SUBSET (5 tests, 6 points)
 BAD = {
     "traversal": ("invalid_submission", 0),
     "symlink": ("invalid_submission", 0),

@@ -2,7 +2,7 @@
 
 Each is the solution (so its own tests would pass) plus a snippet run when ``collectives.py``
 is first imported in its sandbox (a marker file makes it run once per sandbox, not once per
-test). ``tests/test_grade_hostile.py`` grades them in one batch beside ``alice`` (the
+test). ``tests/grader/batches/test_hostile.py`` grades them in one batch beside ``alice`` (the
 solution), whose score must stay full:
 
 * ``cpu_hog``: 150 busy-looping processes, each in a session of its own (``setsid``), for the

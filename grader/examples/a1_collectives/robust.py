@@ -21,7 +21,7 @@ allows ``subprocess``, which runs anything: the snippets run their file work in 
   (deeper than ``PATH_MAX``; ``shutil.rmtree`` raised ``RecursionError`` on them);
 * ``gradebook.csv``: a correct submission named like the grader's own output file.
 
-``tests/test_grade_hostile.py`` grades them beside ``alice`` (the solution) and adds a folder
+``tests/grader/batches/test_hostile.py`` grades them beside ``alice`` (the solution) and adds a folder
 whose ``collectives.py`` is a 10 GB sparse file (made there with ``truncate``, never committed).
 """
 
@@ -124,7 +124,7 @@ while True:  # until the sandbox ends (it is killed with everything else in it)
 '''], start_new_session=True, stdin=_QUIET, stdout=_QUIET, stderr=_QUIET)
 """
 
-#: student -> (status, score) on tests/test_grade_robust.py's subset of tests (alice: full)
+#: student -> (status, score) on tests/grader/test_grade_robust.py's subset of tests (alice: full)
 EXPECTED = {
     "surrogate": ("ok", None),  # ring_allgather's tests fail, the others pass
     "markdown_forge": ("ok", None),

@@ -61,7 +61,7 @@ from minidist.models.transformer import TransformerConfig
 from minidist.parallel import zero
 
 # --------------------------------------------------------------------------------------------
-# Shared run functions (tests/test_zero.py, notebook 08, the bench below)
+# Shared run functions (tests/lib/parallel/test_zero.py, notebook 08, the bench below)
 # --------------------------------------------------------------------------------------------
 
 

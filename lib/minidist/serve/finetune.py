@@ -16,7 +16,7 @@ the n prompt vectors. One training step::
 Each request carries the hop's adapters (r·(in + out) numbers per projection) and hidden states
 (B·T·d); the servers keep nothing between requests and never update a weight. The gradients
 that come back are exactly those of the same computation done in one process, so training
-through the swarm gives the same adapters as training locally (``tests/test_finetune.py``
+through the swarm gives the same adapters as training locally (``tests/lib/tools/test_finetune.py``
 checks this, step for step, in fp32).
 
     from minidist.serve import finetune, swarm

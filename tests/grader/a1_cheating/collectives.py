@@ -2,7 +2,7 @@
 
 Every rank sends its whole tensor to rank 0, which adds them up and sends the sum back to
 everyone. The values are right; the traffic is not: rank 0 sends (p - 1) * n bytes where a
-ring sends 2 (p - 1) / p * n. tests/test_assignments.py checks that the hidden correctness
+ring sends 2 (p - 1) / p * n. tests/course/test_assignments.py checks that the hidden correctness
 tests pass with it and the byte-budget tests fail. The other functions are not implemented.
 """
 

@@ -1,4 +1,4 @@
-"""Worker for tests/test_optim.py (importable by md.launch workers): one DDP step of the large-batch model."""
+"""Worker for test_optim.py (importable by md.launch workers): one DDP step of the large-batch model."""
 
 from __future__ import annotations
 

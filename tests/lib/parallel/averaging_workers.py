@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_averaging.py and tests/test_stragglers.py.
+"""Worker functions for tests/lib/parallel/test_averaging.py and tests/lib/parallel/test_stragglers.py.
 
 The model, data and optimizer (AdamW) are ``ddp_workers``' TinyNet runs, so the
 single-process reference is ``ddp_workers.train_single``. Full ranks 0..n-1 are

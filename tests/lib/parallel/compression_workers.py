@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_compression.py (importable by md.launch workers).
+"""Worker functions for tests/lib/parallel/test_compression.py (importable by md.launch workers).
 
 The model and data are ``ddp_workers``' TinyNet runs (``ddp_workers.config``); the
 optimizer here is SGD. ``emulate_*`` are the single-process references: one model,

@@ -1,4 +1,4 @@
-"""Worker functions and a tiny model for tests/test_ddp.py (importable by md.launch workers).
+"""Worker functions and a tiny model for tests/lib/parallel/test_ddp.py (importable by md.launch workers).
 
 Every run is described by a plain dict (``config``) so the single-process reference
 and the ranks build exactly the same model and data:

@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_parallel.py (importable by the worker processes)."""
+"""Worker functions for tests/lib/parallel/test_parallel.py (importable by the worker processes)."""
 
 from __future__ import annotations
 

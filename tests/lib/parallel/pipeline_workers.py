@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_pipeline.py (importable by md.launch workers).
+"""Worker functions for tests/lib/parallel/test_pipeline.py (importable by md.launch workers).
 
 Every rank builds the same tiny DecoderLM from the same seed (float64, so one process and the
 pipeline agree to ~1e-12), keeps its stage, runs one pipeline step and returns its gradients

@@ -1,4 +1,4 @@
-"""Worker functions for tests/test_tensor_parallel.py (importable by md.launch workers).
+"""Worker functions for tests/lib/parallel/test_tensor_parallel.py (importable by md.launch workers).
 
 The test process builds every dense weight and input (``module_case``, ``decoder_case``) and
 computes the dense reference itself; the workers only run the tensor-parallel layers on those

@@ -1,4 +1,4 @@
-"""Workers for tests/test_zero.py that only tests need (a wrong model, a crash).
+"""Workers for tests/lib/parallel/test_zero.py that only tests need (a wrong model, a crash).
 
 The run functions shared with notebook 08 and the bench (``config``, ``model_config``,
 ``make_model``, ``make_data``, ``reference``, ``train_zero``, ``train_fsdp2``,

@@ -1,6 +1,6 @@
-"""Run in a separate interpreter by tests/test_swarm.py: a swarm client that dies without cleaning up.
+"""Run in a separate interpreter by test_swarm.py: a swarm client that dies without cleaning up.
 
-    python tests/swarm_workers.py CHECKPOINT_DIR PID_FILE
+    python tests/lib/tools/swarm_workers.py CHECKPOINT_DIR PID_FILE
 
 starts a swarm of two servers, writes their pids to PID_FILE and SIGKILLs itself (no ``finally``,
 no ``__exit__``): the servers must notice on their own and exit.
