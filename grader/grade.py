@@ -63,7 +63,7 @@ from .wire import Budget, WireError, read_probe, read_record
 ROOT = Path(__file__).resolve().parent.parent
 HARNESS = Path(__file__).resolve().parent / "harness.py"
 #: sandbox-side modules every assignment's workers import (copied beside harness.py)
-SHARED_SANDBOX_FILES = ("guard.py", "student_comm.py", "seeding.py")
+SHARED_SANDBOX_FILES = ("guard.py", "student_comm.py", "seeding.py", "instruments.py")
 #: trusted modules whose change changes grades (part of the hash that decides what to regrade)
 TRUSTED_FILES = ("forbidden.py", "similarity.py", "assignment.py", "plan.py")
 UID_BASE = 64000  # sandbox user ids: UID_BASE + slot, one per parallel job

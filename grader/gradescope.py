@@ -32,6 +32,7 @@ GRADER_MODULES = (
     "gradescope.py",
     "guard.py",
     "harness.py",
+    "instruments.py",
     "intake.py",
     "plan.py",
     "points.py",

@@ -41,15 +41,15 @@ from time import perf_counter_ns as _now  # bound before the student's module is
 import torch
 from torch import nn
 
-import minidist as md
-
 if __package__:  # under pytest: grader.a3_ddp.workers
     from .. import guard
+    from ..instruments import wrap_collectives
     from ..seeding import seeded_
     from . import rules
 else:  # in the grading sandbox, where these files are copied side by side
     import guard
     import rules
+    from instruments import wrap_collectives
     from seeding import seeded_
 
 #: bound now, before the student's module is imported (which might replace them)
@@ -74,11 +74,9 @@ class AllreduceLog:
         if self._installed:
             return
         self._installed = True
-        import minidist.collectives as collectives
-        import minidist.collectives.api as api
+        wrap_collectives(("allreduce",), self._wrap)
 
-        original = api.allreduce
-
+    def _wrap(self, name: str, original):
         @functools.wraps(original)
         def allreduce(comm, tensor, *args, **kwargs):
             self._calls.append(
@@ -92,8 +90,7 @@ class AllreduceLog:
             )
             return original(comm, tensor, *args, **kwargs)
 
-        for owner in (md, collectives, api):
-            owner.allreduce = allreduce
+        return allreduce
 
 
 def _copy(phase: tuple[int, int] | None) -> list[int] | None:

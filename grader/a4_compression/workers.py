@@ -29,11 +29,13 @@ import minidist as md
 
 if __package__:  # under pytest: grader.a4_compression.workers
     from .. import guard
+    from ..instruments import wrap_collectives
     from ..seeding import seeded_
     from . import rules
 else:  # in the grading sandbox, where these files are copied side by side
     import guard
     import rules
+    from instruments import wrap_collectives
     from seeding import seeded_
 
 STUDENT_MODULE = "dgc"
@@ -65,14 +67,7 @@ class CollectiveLog:
         if self.installed:
             return
         self.installed = True
-        import minidist.collectives as collectives
-        import minidist.collectives.api as api
-
-        for name in COLLECTIVES:
-            wrapped = self._wrap(name, getattr(api, name))
-            for owner in (md, collectives, api):
-                if hasattr(owner, name):
-                    setattr(owner, name, wrapped)
+        wrap_collectives(COLLECTIVES, self._wrap)
 
     def _wrap(self, name: str, original):
         signature = inspect.signature(original)

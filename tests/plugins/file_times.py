@@ -4,8 +4,9 @@ pytest's ``--durations`` names the slowest single tests; a file of a hundred 2-s
 never appears there, yet costs more than any of them. This plugin adds up setup, call and
 teardown of every test per file (a notebook is one file: nbval makes an item of each cell) and
 prints the files that took the most, with their share of the run, their tier (``fast``, or the
-markers ``conftest.py`` gave them by path) and the total. ``MINIDIST_FILE_TIMES`` sets how many
-rows are printed (default 30; 0 prints none).
+markers ``conftest.py`` gave them by path) and the total. It prints when pytest was asked for
+``--durations`` (``make check`` and ``make test`` are), so a student's run of the public tests
+stays short. ``MINIDIST_FILE_TIMES`` sets how many rows are printed (default 30; 0 prints none).
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ def pytest_runtest_logreport(report) -> None:
         _tests[path] = _tests.get(path, 0) + 1
 
 
-def pytest_terminal_summary(terminalreporter) -> None:
+def pytest_terminal_summary(terminalreporter, config) -> None:
     rows = int(os.environ.get("MINIDIST_FILE_TIMES", "30"))
-    if not _seconds or rows <= 0:
+    if not _seconds or rows <= 0 or config.getoption("durations") is None:
         return
     total = sum(_seconds.values())
     terminalreporter.section(f"time per file (the {min(rows, len(_seconds))} slowest of {len(_seconds)})")
