@@ -55,6 +55,7 @@ def markers_for(path: str, name: str = "") -> list[str]:
     return found
 
 
+@pytest.hookimpl(tryfirst=True)  # before the hooks that read the markers (the GPU skip, -m)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         path = os.path.relpath(str(item.path), ROOT).replace(os.sep, "/")

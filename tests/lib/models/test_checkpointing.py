@@ -16,17 +16,17 @@ from minidist.models import checkpointing as ck
 from minidist.models.bert import BertForMLM
 from minidist.models.decoder import DecoderLM
 from minidist.models.transformer import TransformerConfig
+from tiny import tiny_config
 
 VOCAB, HIDDEN, HEADS, BATCH = 64, 32, 4, 2
 
 
 def config(causal: bool, n_layers: int = 2, dropout: float = 0.0) -> TransformerConfig:
-    return TransformerConfig(
+    return tiny_config(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         n_layers=n_layers,
         n_heads=HEADS,
-        max_positions=32,
         causal=causal,
         pre_ln=causal,
         dropout=dropout,

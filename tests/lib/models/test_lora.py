@@ -15,27 +15,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import tiny
 from minidist import quant
 from minidist.models import lora
 from minidist.models.decoder import CONFIGS, DecoderLM, parameter_count
 from minidist.models.transformer import TransformerConfig
+from tiny import tiny_config
 
-TINY = TransformerConfig(
-    vocab_size=64,
-    hidden_size=32,
-    n_layers=2,
-    n_heads=4,
-    max_positions=32,
-    causal=True,
-    pre_ln=True,
-    embedding_layernorm=False,
-    layer_norm_eps=1e-5,
-)
+TINY = tiny_config(causal=True, pre_ln=True, embedding_layernorm=False, layer_norm_eps=1e-5)
 
 
 def tiny_decoder(seed: int = 0, cfg: TransformerConfig = TINY) -> DecoderLM:
-    torch.manual_seed(seed)
-    return DecoderLM(cfg).eval()
+    return tiny.tiny_decoder(seed, cfg)
 
 
 def ids(batch: int = 3, seq: int = 12, seed: int = 1, vocab: int = TINY.vocab_size) -> torch.Tensor:

@@ -15,12 +15,11 @@ import torch.nn.functional as F
 
 from minidist.models import bert, decoder, transformer
 from minidist.models.transformer import MultiHeadSelfAttention, TransformerConfig
+from tiny import tiny_config
 
 
 def _small_cfg(**overrides) -> TransformerConfig:
-    values = dict(vocab_size=50, hidden_size=32, n_layers=2, n_heads=4, max_positions=16)
-    values.update(overrides)
-    return TransformerConfig(**values)
+    return tiny_config(**{"vocab_size": 50, "max_positions": 16, **overrides})
 
 
 def _bert(name: str = "tiny", seed: int = 0) -> bert.BertForMLM:

@@ -30,16 +30,14 @@ from minidist.data import lm
 from minidist.models import decoder, pretrained, shards
 from minidist.models.decoder import DecoderLM
 from minidist.models.transformer import TransformerConfig
+from tiny import tiny_config
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def _tiny_cfg(vocab: int = 50) -> TransformerConfig:
-    return TransformerConfig(
+    return tiny_config(
         vocab_size=vocab,
-        hidden_size=32,
-        n_layers=2,
-        n_heads=4,
         max_positions=16,
         position="alibi",
         causal=True,

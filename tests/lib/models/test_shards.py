@@ -18,14 +18,13 @@ import torch
 from minidist.models import decoder, shards
 from minidist.models.decoder import DecoderLM
 from minidist.models.transformer import TransformerConfig
+from tiny import tiny_config
 
 
 def _cfg(position: str = "learned", n_layers: int = 3) -> TransformerConfig:
-    return TransformerConfig(
+    return tiny_config(
         vocab_size=61,
-        hidden_size=32,
         n_layers=n_layers,
-        n_heads=4,
         max_positions=16,
         position=position,
         causal=True,
