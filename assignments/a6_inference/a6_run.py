@@ -5,6 +5,7 @@ tokens the projections see, run the public tests. Nothing to change here.
 from __future__ import annotations
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -53,9 +54,23 @@ class TokenCounter:
             handle.remove()
 
 
+#: one public test per task: what the course's own CI runs from this notebook
+#: (MINIDIST_PUBLIC_TESTS=one-per-task), where the whole file is run once by `make test`
+ONE_PER_TASK = [
+    "test_int8_known_values",
+    "test_packing_known_values_and_round_trip",
+    "test_nf4_codes_are_the_nearest_values_and_memory_is_4_bits_plus_scales",
+    "test_attention_with_cache_equals_the_whole_sequence",
+    "test_generate_with_and_without_cache_gives_the_same_tokens",
+]
+
+
 def run_public_tests(*pytest_args: str) -> bool:
     """Run test_a6_inference.py in a fresh process (your latest code); print its report."""
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_a6_inference.py"]
+    targets = ["test_a6_inference.py"]
+    if os.environ.get("MINIDIST_PUBLIC_TESTS") == "one-per-task" and not pytest_args:
+        targets = [f"test_a6_inference.py::{name}" for name in ONE_PER_TASK]
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *targets]
     result = subprocess.run([*command, *pytest_args], cwd=HERE, capture_output=True, text=True)
     print(result.stdout[-20_000:], result.stderr[-5_000:], sep="")
     return result.returncode == 0
