@@ -3,7 +3,7 @@
 Every assignment ``grader/<name>/`` holds one ``Assignment`` (in ``grading.py``) and the parts
 only it can have:
 
-    grading.py     ASSIGNMENT = Assignment(name=..., student_files=..., cases=cases.cases, ...)
+    grading.py     ASSIGNMENT = Assignment.of(__package__, hints=..., similar_to=..., ...)
     cases.py       cases(seed) -> list[Case]: every hidden test, its points, worker, arguments, check
     workers.py     what runs in the sandbox with the student's code (the jobs' entry points)
     reference.py   the trusted second implementation the checks compare with (run by the grader)
@@ -109,6 +109,21 @@ class Assignment:
     redact: Callable[[str], str] = redact_expected  # what a student may see of a failure
     sandbox_files: tuple[str, ...] = ("workers.py", "rules.py")  # of grader/<name>/, for the sandbox
     workers_module: str = "workers"
+
+    @classmethod
+    def of(cls, package: str, **fields: Any) -> Assignment:
+        """The assignment of ``grader/<name>/`` (``package``: its ``__package__``): the student
+        files from its ``__init__``, ``rules.py``, and the tasks and cases of ``cases.py``; the
+        rest (hints, similar_to, ...) as keywords."""
+        cases = importlib.import_module(f"{package}.cases")
+        return cls(
+            name=package.rsplit(".", 1)[-1],
+            student_files=importlib.import_module(package).STUDENT_FILES,
+            rules=importlib.import_module(f"{package}.rules"),
+            tasks=cases.TASKS,
+            cases=cases.cases,
+            **fields,
+        )
 
     @functools.cached_property
     def forbidden(self) -> Rules:

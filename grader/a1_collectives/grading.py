@@ -19,8 +19,6 @@ import re
 
 from grader.assignment import Assignment
 
-from . import STUDENT_FILES, cases, rules
-
 SIMILAR_TO = ("lib/minidist/collectives/*.py",)
 GIVEN_FUNCTIONS = ("chunk_offsets", "exchange")
 
@@ -40,13 +38,9 @@ def redact(message: str) -> str:
     return _EXPECTED_VALUE.sub(r"\1, which is wrong (", message)
 
 
-ASSIGNMENT = Assignment(
-    name="a1_collectives",
-    student_files=STUDENT_FILES,
-    rules=rules,
-    tasks=cases.TASKS,
+ASSIGNMENT = Assignment.of(
+    __package__,
     hints=HINTS,
-    cases=cases.cases,
     similar_to=SIMILAR_TO,
     given_functions=GIVEN_FUNCTIONS,
     timeout=30,

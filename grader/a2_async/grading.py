@@ -13,8 +13,6 @@ import re
 
 from grader.assignment import Assignment
 
-from . import STUDENT_FILES, cases, rules
-
 _EXPECTED_VALUE = re.compile(r"(is [^,(]+), expected [^(]+?( \(|$)")
 
 
@@ -38,13 +36,9 @@ HINTS = {
     "hogwild_worker": "Your part is split(len(order), world_size, rank); batch_step on the shared tensors.",
 }
 
-ASSIGNMENT = Assignment(
-    name="a2_async",
-    student_files=STUDENT_FILES,
-    rules=rules,
-    tasks=cases.TASKS,
+ASSIGNMENT = Assignment.of(
+    __package__,
     hints=HINTS,
-    cases=cases.cases,
     similar_to=SIMILAR_TO,
     given_functions=GIVEN_FUNCTIONS,
     timeout=30,

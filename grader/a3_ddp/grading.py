@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from grader.assignment import Assignment
 
-from . import STUDENT_FILES, cases, rules
-
 #: the library files a submission is compared with (``grader/similarity.py``), relative to the root
 SIMILAR_TO = ("lib/minidist/parallel/ddp.py", "lib/minidist/parallel/buckets.py")
 #: functions the stub gives (every submission has them): not compared
@@ -37,13 +35,9 @@ HINTS = {
     "no_sync": "A flag the hook reads; restore it in a finally block.",
 }
 
-ASSIGNMENT = Assignment(
-    name="a3_ddp",
-    student_files=STUDENT_FILES,
-    rules=rules,
-    tasks=cases.TASKS,
+ASSIGNMENT = Assignment.of(
+    __package__,
     hints=HINTS,
-    cases=cases.cases,
     similar_to=SIMILAR_TO,
     given_functions=GIVEN_FUNCTIONS,
     timeout=30,

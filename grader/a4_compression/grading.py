@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from grader.assignment import Assignment
 
-from . import STUDENT_FILES, cases, rules
-
 #: the library files a submission is compared with (``grader/similarity.py``), relative to the root
 SIMILAR_TO = ("lib/minidist/parallel/compression/*.py",)
 #: functions the stub gives (every submission has them): not compared
@@ -37,13 +35,9 @@ HINTS = {
     "SparseWork.wait: add the rows in rank order, divide by N.",
 }
 
-ASSIGNMENT = Assignment(
-    name="a4_compression",
-    student_files=STUDENT_FILES,
-    rules=rules,
-    tasks=cases.TASKS,
+ASSIGNMENT = Assignment.of(
+    __package__,
     hints=HINTS,
-    cases=cases.cases,
     similar_to=SIMILAR_TO,
     given_functions=GIVEN_FUNCTIONS,
     timeout=60,

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from grader.assignment import Assignment
 
-from . import STUDENT_FILES, cases, rules
-
 #: the library files a submission is compared with (``grader/similarity.py``), relative to the root
 SIMILAR_TO = ("lib/minidist/parallel/tensor.py", "lib/minidist/parallel/pipeline.py")
 #: functions the stub gives (every submission has them): not compared
@@ -58,13 +56,9 @@ HINTS = {
     "send x.grad to r-1. One message per microbatch and direction; count what is kept.",
 }
 
-ASSIGNMENT = Assignment(
-    name="a5_model_parallel",
-    student_files=STUDENT_FILES,
-    rules=rules,
-    tasks=cases.TASKS,
+ASSIGNMENT = Assignment.of(
+    __package__,
     hints=HINTS,
-    cases=cases.cases,
     similar_to=SIMILAR_TO,
     given_functions=GIVEN_FUNCTIONS,
     timeout=60,

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from grader.assignment import Assignment
 
-from . import STUDENT_FILES, cases, rules
-
 #: the library files a submission is compared with (``grader/similarity.py``), relative to the root
 SIMILAR_TO = ("lib/minidist/quant.py", "lib/minidist/models/generate.py")
 #: functions the stub gives (every submission has them): not compared
@@ -45,13 +43,9 @@ HINTS = {
     "the newest token with the past the previous step returned.",
 }
 
-ASSIGNMENT = Assignment(
-    name="a6_inference",
-    student_files=STUDENT_FILES,
-    rules=rules,
-    tasks=cases.TASKS,
+ASSIGNMENT = Assignment.of(
+    __package__,
     hints=HINTS,
-    cases=cases.cases,
     similar_to=SIMILAR_TO,
     given_functions=GIVEN_FUNCTIONS,
     timeout=60,

@@ -3,6 +3,8 @@
 The graded tests are the hidden tests with their points; the solution scores full marks, the
 released stub zero (every test failing with NotImplementedError), and the example students of
 ``grader/examples/a2_async/make.py`` get exactly their expected scores, a deadlock included.
+
+Fast: the grading batch of the examples is ``tests/grader/batches/test_a2.py``.
 """
 
 from __future__ import annotations

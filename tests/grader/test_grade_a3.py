@@ -6,6 +6,8 @@ unused parameters, a crash, the library's DDP, only the first bucket overlapping
 a relabelled phase) and the released stub get exactly their expected scores on a subset of the
 hidden tests that tells them all apart (one batch, ``--jobs 2``). The forgeries are also run
 past the intake check, straight into the hidden tests: the worker's own defences catch them.
+
+Fast: the grading batch of the examples is ``tests/grader/batches/test_a3.py``.
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@ top-k instead of the sampled threshold, no momentum correction, a crash, the lib
 compressor, a hidden loss, a dense hook, a compress_step that never sends) and the released
 stub get exactly their expected scores on a subset of the hidden tests that tells them apart
 (one batch, ``--jobs 2``).
+
+Fast: the grading batch of the examples is ``tests/grader/batches/test_a4.py``.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ dense copy with allreduces of zeros, a forged order, frame walking, a module wri
 a dir_fd read of the library, zeros of the right size as traffic) and the released stub get
 exactly their expected scores on a subset of the hidden tests that tells them apart (one batch,
 ``--jobs 2``, a fixed seed key).
+
+Fast: the grading batch of the examples is ``tests/grader/batches/test_a5.py``.
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ weights read back through autograd or a trace, the token log rewritten through t
 closure) and the released stub get exactly their expected
 scores on a six-test subset of the hidden tests that tells them apart (one batch, ``--jobs 2``,
 a fixed seed key; about a minute on 2 busy cores).
+
+Fast: the grading batch of the examples is ``tests/grader/batches/test_a6.py``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""``python -m grader grade a2_async``: the example students and the stub, graded in one batch.
+"""``python -m grader grade a2_async``: the solution, the stub and the example students, graded once.
 
-The graded tests are the hidden tests with their points; the solution scores full marks, the
-released stub zero (every test failing with NotImplementedError), and the example students of
-``grader/examples/a2_async/make.py`` get exactly their expected scores, a deadlock included.
+One batch on every hidden test: the solution full marks, the released stub zero (every test
+failing with NotImplementedError), the examples of ``grader/examples/a2_async/make.py`` their
+expected scores; then a deadlocking student on two tests with a 3 s timeout (a deadlock costs
+only the tests it hangs). The reference and the feedback texts: ``tests/grader/test_grade_a2.py``.
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
-"""``python -m grader grade a3_ddp``: the example students and the stub, graded in one batch.
+"""``python -m grader grade a3_ddp``: the example students and the stub, graded once.
 
-The graded tests are the hidden tests with their points; the example students of
-``grader/examples/a3_ddp/make.py`` (correct, no overlap, sums instead of averaging, a deadlock on
-unused parameters, a crash, the library's DDP, only the first bucket overlapping, a forged clock,
-a relabelled phase) and the released stub get exactly their expected scores on a subset of the
-hidden tests that tells them all apart (one batch, ``--jobs 2``). The forgeries are also run
-past the intake check, straight into the hidden tests: the worker's own defences catch them.
+One batch on a subset of the hidden tests that tells the examples of
+``grader/examples/a3_ddp/make.py`` apart (``--jobs 2``); then the two forgeries run straight into
+the hidden tests, past the intake check: the worker's own defences catch them. The pieces
+(intake, guard, recorder): ``tests/grader/test_grade_a3.py``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -18,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from grade_helpers import gradebook, run_grader
+from grade_helpers import check_expected_scores, grade_examples
 from grader import similarity
 from grader.examples.a3_ddp import make
 
@@ -41,31 +38,10 @@ SUBSET_NAMES = [
 ]
 
 
-def grade(submissions: Path, out: Path, *extra: str) -> str:
-    return run_grader("a3_ddp", submissions, out, *extra, timeout=400)
-
-
 @pytest.mark.timeout(400)
 def test_the_examples_and_the_stub_get_their_scores(tmp_path):
-    submissions = tmp_path / "subs"
-    make.write(submissions, make.build_dict())
-    (submissions / "stub").mkdir()
-    (submissions / "stub" / make.FILE).write_bytes(make.STUB.read_bytes())
-    out = tmp_path / "out"
-    selection = [arg for pattern in SUBSET for arg in ("--tests", pattern)]
-    grade(submissions, out, "--jobs", "2", "--test-timeout", "20", *selection)
-    book = gradebook(out)
-    assert (
-        book["alice"]["score"]
-        == book["alice"]["max_score"]
-        == f"{make.expected_score('alice', SUBSET_NAMES):g}"
-    )
-    for student, (status, _) in make.LOST.items():
-        score = make.expected_score(student, SUBSET_NAMES)
-        assert (book[student]["status"], float(book[student]["score"])) == (status, score), book[student]
-    assert book["stub"]["score"] == "0" and book["stub"]["status"] == "ok"
-    stub = json.loads((out / "stub" / "results.json").read_text())
-    assert all("NotImplementedError" in t["output"] and "TODO(task" in t["output"] for t in stub["tests"])
+    out, book = grade_examples("a3_ddp", make, SUBSET, tmp_path, "--test-timeout", "20")
+    check_expected_scores(out, book, make, SUBSET_NAMES)
     assert "did not finish within 20 s" in (out / "dave" / "feedback.md").read_text()
     assert "nothing overlaps backward" in (out / "bob" / "feedback.md").read_text()
     assert "bucket 1 (in launch order)" in (out / "lazy" / "feedback.md").read_text()

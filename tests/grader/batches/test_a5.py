@@ -1,25 +1,18 @@
-"""``python -m grader grade a5_model_parallel``: the example students and the stub, graded in one batch.
+"""``python -m grader grade a5_model_parallel``: the example students and the stub, graded once.
 
-The graded tests are the hidden tests with their points; the grader's 1F1B, checker and
-simulator (``grader/a5_model_parallel/reference.py``) agree with the solution and with the
-formulas and refuse broken schedules; the checks refuse reports that cheat; the intake check and
-the run time guard refuse the library's tensor and pipeline parallelism; and the example students
-of ``grader/examples/a5_model_parallel/make.py`` (correct, GPipe for 1F1B, an extra allreduce, the
-bias added p times, a crash, the library's layers, a deadlock, no f; and the red team's cheats: a
-dense copy with allreduces of zeros, a forged order, frame walking, a module written at run time,
-a dir_fd read of the library, zeros of the right size as traffic) and the released stub get
-exactly their expected scores on a subset of the hidden tests that tells them apart (one batch,
-``--jobs 2``, a fixed seed key).
+One batch on a subset of the hidden tests that tells the examples of
+``grader/examples/a5_model_parallel/make.py`` apart, the red team's cheats included (``--jobs 2``,
+a fixed seed key). The grader's schedules, checker and simulator, and the checks that cheats
+met: ``tests/grader/test_grade_a5.py``.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from grade_helpers import gradebook, run_grader
+from grade_helpers import check_expected_scores, grade_examples
 from grader import similarity
 from grader.examples.a5_model_parallel import make
 
@@ -41,32 +34,12 @@ SUBSET = (
 SUBSET_NAMES = [pattern.replace("[[]", "[") for pattern in SUBSET]
 
 
-def grade(submissions: Path, out: Path, *extra: str) -> str:
-    return run_grader("a5_model_parallel", submissions, out, *extra, timeout=500)
-
-
 @pytest.mark.timeout(500)
 def test_the_examples_and_the_stub_get_their_scores(tmp_path):
-    submissions = tmp_path / "subs"
-    make.write(submissions, make.build_dict())
-    (submissions / "stub").mkdir()
-    for name in make.FILES:
-        (submissions / "stub" / name).write_bytes((make.STUB_FOLDER / name).read_bytes())
-    out = tmp_path / "out"
-    selection = [arg for pattern in SUBSET for arg in ("--tests", pattern)]
-    grade(submissions, out, "--jobs", "2", "--test-timeout", "30", "--seed-key", "k", *selection)
-    book = gradebook(out)
-    assert (
-        book["alice"]["score"]
-        == book["alice"]["max_score"]
-        == f"{make.expected_score('alice', SUBSET_NAMES):g}"
+    out, book = grade_examples(
+        "a5_model_parallel", make, SUBSET, tmp_path, "--test-timeout", "30", "--seed-key", "k"
     )
-    for student, (status, _) in make.LOST.items():
-        score = make.expected_score(student, SUBSET_NAMES)
-        assert (book[student]["status"], float(book[student]["score"])) == (status, score), book[student]
-    assert book["stub"]["score"] == "0" and book["stub"]["status"] == "ok"
-    stub = json.loads((out / "stub" / "results.json").read_text())
-    assert all("NotImplementedError" in t["output"] and "TODO(task" in t["output"] for t in stub["tests"])
+    check_expected_scores(out, book, make, SUBSET_NAMES)
     assert "not the 1F1B schedule" in (out / "bob" / "feedback.md").read_text()
     assert "call(s) of md.allreduce" in (out / "carol" / "feedback.md").read_text()
     assert "differs from the dense model" in (out / "dave" / "feedback.md").read_text()

@@ -1,30 +1,18 @@
-"""``python -m grader grade a6_inference``: the example students and the stub, graded in one batch.
+"""``python -m grader grade a6_inference``: the example students and the stub, graded once.
 
-The graded tests are the hidden tests with their points; the grader's int8 and NF4
-(``grader/a6_inference/reference.py``) agree with the library's tested ``minidist.quant``, and its
-attention and decoder (recomputed over the whole sequence) with torch's fused attention and with
-the solution; the checks refuse reports that cheat (extra bytes, a view of a larger buffer, the
-original weights back from a round trip, projections of the whole sequence); the intake check
-and the run time guard refuse the library's and torch's quantization and attention; and the
-example students of ``grader/examples/a6_inference/make.py`` (correct, two partial ones, packing
-the wrong way round, recomputing instead of caching, the library's NF4; and the red team's
-cheats: fp32 weights kept in the object, in a larger storage behind the packed view, float
-"codes", frame walking, torch's fused attention; and the second red team's: fused attention as
-``torch.ops.aten`` or flex_attention, numel that lies under a mode, vmap or a tensor subclass, the
-weights read back through autograd or a trace, the token log rewritten through the projection's
-closure) and the released stub get exactly their expected
-scores on a six-test subset of the hidden tests that tells them apart (one batch, ``--jobs 2``,
-a fixed seed key; about a minute on 2 busy cores).
+One batch on a subset of the hidden tests that tells the examples of
+``grader/examples/a6_inference/make.py`` apart, both red teams' cheats included (``--jobs 2``, a
+fixed seed key). The grader's int8, NF4, attention and decoder, and the checks that cheats met:
+``tests/grader/test_grade_a6.py``.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from grade_helpers import gradebook, run_grader
+from grade_helpers import check_expected_scores, grade_examples
 from grader import similarity
 from grader.examples.a6_inference import make
 
@@ -45,32 +33,12 @@ SUBSET = (
 SUBSET_NAMES = [pattern.replace("[[]", "[") for pattern in SUBSET]
 
 
-def grade(submissions: Path, out: Path, *extra: str) -> str:
-    return run_grader("a6_inference", submissions, out, *extra, timeout=500)
-
-
 @pytest.mark.timeout(500)
 def test_the_examples_and_the_stub_get_their_scores(tmp_path):
-    submissions = tmp_path / "subs"
-    make.write(submissions, make.build_dict())
-    (submissions / "stub").mkdir()
-    for name in make.FILES:
-        (submissions / "stub" / name).write_bytes((make.STUB_FOLDER / name).read_bytes())
-    out = tmp_path / "out"
-    selection = [arg for pattern in SUBSET for arg in ("--tests", pattern)]
-    grade(submissions, out, "--jobs", "2", "--test-timeout", "30", "--seed-key", "k", *selection)
-    book = gradebook(out)
-    assert (
-        book["alice"]["score"]
-        == book["alice"]["max_score"]
-        == f"{make.expected_score('alice', SUBSET_NAMES):g}"
+    out, book = grade_examples(
+        "a6_inference", make, SUBSET, tmp_path, "--test-timeout", "30", "--seed-key", "k"
     )
-    for student, (status, _) in make.LOST.items():
-        score = make.expected_score(student, SUBSET_NAMES)
-        assert (book[student]["status"], float(book[student]["score"])) == (status, score), book[student]
-    assert book["stub"]["score"] == "0" and book["stub"]["status"] == "ok"
-    stub = json.loads((out / "stub" / "results.json").read_text())
-    assert all("NotImplementedError" in t["output"] and "TODO(task" in t["output"] for t in stub["tests"])
+    check_expected_scores(out, book, make, SUBSET_NAMES)
     assert "high four bits" in (out / "dave" / "feedback.md").read_text()
     assert "projection saw" in (out / "erin" / "feedback.md").read_text()
     assert "minidist.quant" in book["frank"]["reason"]
