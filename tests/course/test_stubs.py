@@ -69,12 +69,13 @@ print("ok")
 """
 
 
-def test_stub_imports_and_each_function_raises_not_implemented_with_its_task(tmp_path):
+def run_probe(tmp_path: Path, source: str, stub: Path, *args: str) -> None:
+    """Run ``source`` in a fresh interpreter with only ``stub`` on the path; it must print "ok"."""
     probe = tmp_path / "probe.py"
-    probe.write_text(STUB_PROBE)
-    env = {**os.environ, "PYTHONPATH": str(STUB)}
+    probe.write_text(source)
+    env = {**os.environ, "PYTHONPATH": str(stub)}
     result = subprocess.run(
-        [sys.executable, str(probe), *FUNCTIONS],
+        [sys.executable, str(probe), *args],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -82,6 +83,10 @@ def test_stub_imports_and_each_function_raises_not_implemented_with_its_task(tmp
         timeout=120,
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_stub_imports_and_each_function_raises_not_implemented_with_its_task(tmp_path):
+    run_probe(tmp_path, STUB_PROBE, STUB, *FUNCTIONS)
 
 
 # --- assignment 2: async parameter server and Hogwild -----------------------------------------
@@ -148,13 +153,7 @@ print("ok")
 
 
 def test_a3_stub_imports_and_each_part_raises_not_implemented_with_its_task(tmp_path):
-    probe = tmp_path / "probe.py"
-    probe.write_text(A3_STUB_PROBE % (A3_TASKS,))
-    env = {**os.environ, "PYTHONPATH": str(A3_STUB)}
-    result = subprocess.run(
-        [sys.executable, str(probe)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+    run_probe(tmp_path, A3_STUB_PROBE % (A3_TASKS,), A3_STUB)
 
 
 # --- assignment 4: Deep Gradient Compression as a DDP communication hook ----------------------
@@ -208,13 +207,7 @@ print("ok")
 
 
 def test_a4_stub_imports_and_each_part_raises_not_implemented_with_its_task(tmp_path):
-    probe = tmp_path / "probe.py"
-    probe.write_text(A4_STUB_PROBE % (A4_TASKS,))
-    env = {**os.environ, "PYTHONPATH": str(A4_STUB)}
-    result = subprocess.run(
-        [sys.executable, str(probe)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+    run_probe(tmp_path, A4_STUB_PROBE % (A4_TASKS,), A4_STUB)
 
 
 # --- assignment 5: tensor-parallel MLP, the 1F1B schedule and its stage step ------------------
@@ -312,13 +305,7 @@ print("ok")
 
 
 def test_a5_stub_imports_and_each_part_raises_not_implemented_with_its_task(tmp_path):
-    probe = tmp_path / "probe.py"
-    probe.write_text(A5_STUB_PROBE % (A5_TASKS,))
-    env = {**os.environ, "PYTHONPATH": str(A5_STUB)}
-    result = subprocess.run(
-        [sys.executable, str(probe)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+    run_probe(tmp_path, A5_STUB_PROBE % (A5_TASKS,), A5_STUB)
 
 
 # --- assignment 6: int8, NF4 and its packing, a KV-cached attention step, greedy generation ------
@@ -380,10 +367,4 @@ print("ok")
 
 
 def test_a6_stub_imports_and_each_part_raises_not_implemented_with_its_task(tmp_path):
-    probe = tmp_path / "probe.py"
-    probe.write_text(A6_STUB_PROBE % (A6_TASKS,))
-    env = {**os.environ, "PYTHONPATH": str(A6_STUB)}
-    result = subprocess.run(
-        [sys.executable, str(probe)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+    run_probe(tmp_path, A6_STUB_PROBE % (A6_TASKS,), A6_STUB)

@@ -47,6 +47,24 @@ def _tiny_cfg(vocab: int = 50) -> TransformerConfig:
     )
 
 
+def _tiny_recipe(**changes) -> pretrained.Recipe:
+    """A recipe for ``_tiny_cfg`` over the course's vocabulary: blocks of 16, a fraction of a second."""
+    values = dict(
+        config=_tiny_cfg(vocab=data.load_tokenizer().get_vocab_size()),
+        steps=3,
+        batch_size=4,
+        seq_len=16,
+        lr=1e-3,
+        warmup_steps=1,
+        final_lr_factor=0.1,
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+        seed=0,
+        version=1,
+    )
+    return pretrained.Recipe(**{**values, **changes})
+
+
 # ---------------------------------------------------------------- data.lm
 
 
@@ -133,19 +151,7 @@ def test_training_lowers_the_loss_of_a_tiny_recipe():
     # a learnable language: token t+1 = (t + 1) mod 50, from a random start
     starts = torch.randint(0, 50, (64, 1), generator=gen)
     blocks = (starts + torch.arange(16)) % 50
-    recipe = pretrained.Recipe(
-        config=_tiny_cfg(vocab=data.load_tokenizer().get_vocab_size()),
-        steps=30,
-        batch_size=8,
-        seq_len=16,
-        lr=1e-2,
-        warmup_steps=3,
-        final_lr_factor=0.1,
-        weight_decay=0.1,
-        max_grad_norm=1.0,
-        seed=0,
-        version=0,
-    )
+    recipe = _tiny_recipe(steps=30, batch_size=8, lr=1e-2, warmup_steps=3, version=0)
     result = pretrained.train(recipe, blocks=blocks)
     assert len(result.losses) == 30
     assert result.losses[-1] < 0.5 * result.losses[0]
@@ -245,19 +251,7 @@ def test_the_recipe_reproduces_the_shipped_loss_curve():
 
 
 def test_stop_after_is_a_prefix_of_the_full_run():
-    recipe = pretrained.Recipe(
-        _tiny_cfg(vocab=data.load_tokenizer().get_vocab_size()),
-        steps=12,
-        batch_size=4,
-        seq_len=16,
-        lr=1e-2,
-        warmup_steps=3,
-        final_lr_factor=0.1,
-        weight_decay=0.1,
-        max_grad_norm=1.0,
-        seed=0,
-        version=1,
-    )
+    recipe = _tiny_recipe(steps=12, lr=1e-2, warmup_steps=3)
     blocks = torch.randint(0, 200, (10, 16), generator=torch.Generator().manual_seed(1))
     full = pretrained.train(recipe, blocks=blocks).losses
     assert pretrained.train(recipe, blocks=blocks, stop_after=5).losses == full[:5]
@@ -341,20 +335,8 @@ def test_concurrent_first_loads_train_once(tmp_path):
 def tiny_recipe(tmp_path, monkeypatch):
     """Register "cachetest" (2 layers of 32, 3 steps) under a fresh MINIDIST_CACHE; returns its name."""
     monkeypatch.setenv("MINIDIST_CACHE", str(tmp_path / "cache"))
-    cfg = _tiny_cfg(vocab=data.load_tokenizer().get_vocab_size())
-    recipe = pretrained.Recipe(
-        cfg,
-        steps=3,
-        batch_size=4,
-        seq_len=16,
-        lr=1e-3,
-        warmup_steps=1,
-        final_lr_factor=0.1,
-        weight_decay=0.1,
-        max_grad_norm=1.0,
-        seed=0,
-        version=1,
-    )
+    recipe = _tiny_recipe(steps=3, lr=1e-3, warmup_steps=1)
+    cfg = recipe.config
     monkeypatch.setitem(pretrained.RECIPES, "cachetest", recipe)
     blocks = torch.randint(0, cfg.vocab_size, (8, 16), generator=torch.Generator().manual_seed(0))
     monkeypatch.setattr(pretrained.data, "lm_dataset", lambda tok, seq_len, split: blocks)
