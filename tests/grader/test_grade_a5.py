@@ -31,19 +31,6 @@ from grader.a5_model_parallel import reference, workers
 from grader.a5_model_parallel.grading import ASSIGNMENT as assignment
 
 ROOT = Path(__file__).resolve().parents[2]
-#: the tests that tell the examples apart (glob patterns: "[[]" is a literal "["): f and g
-#: (carol), column (hank), row (dave), the MLP's allreduce count (carol, hank), the exact 1F1B and
-#: the peak (bob), the stage step (erin, gina)
-SUBSET = (
-    "test_conjugate_operators[[]2]",
-    "test_column_parallel[[]column-2]",
-    "test_row_parallel[[]row-2]",
-    "test_mlp_allreduce_count[[]2]",
-    "test_one_f_one_b_exact",
-    "test_schedule_peak_in_flight",
-    "test_run_stage[[]2-1f1b]",
-)
-SUBSET_NAMES = [pattern.replace("[[]", "[") for pattern in SUBSET]
 
 
 def solution_schedule():
@@ -60,7 +47,6 @@ def test_the_case_table_holds_the_tests_this_file_grades():
     graded = assignment.graded_tests(seed=12345)
     names = [t.name for t in graded]
     assert len(names) >= 15
-    assert set(SUBSET_NAMES) <= set(names)
 
 
 def test_hidden_sizes_are_not_the_public_ones():

@@ -41,18 +41,6 @@ from minidist import quant
 
 ROOT = Path(__file__).resolve().parents[2]
 SOLUTION = ROOT / "solutions" / "a6_inference" / "inference.py"
-#: the tests that tell the examples apart (glob patterns: "[[]" is a literal "["): int8 codes
-#: (int8_float), packing (dave), NF4 codes (dave, bob), NF4 memory (fp32_inside, hidden_storage),
-#: attention (bob) and the use of the cache (carol, erin); six, to keep the run short
-SUBSET = (
-    "test_int8_quantize[[]3d-float64]",
-    "test_pack_4bit",
-    "test_nf4_quantize[[]block-6-zeros]",
-    "test_nf4_memory[[]block-64]",
-    "test_attention_step[[]one-token-batch-3]",
-    "test_generate_uses_the_cache",
-)
-SUBSET_NAMES = [pattern.replace("[[]", "[") for pattern in SUBSET]
 
 
 def solution():
@@ -67,7 +55,6 @@ def test_the_case_table_holds_the_tests_this_file_grades():
     graded = assignment.graded_tests(seed=12345)
     names = [t.name for t in graded]
     assert len(names) >= 15
-    assert set(SUBSET_NAMES) <= set(names)
     assert 45 <= sum(t.points for t in graded) <= 60
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from grade_helpers import check_expected_scores, grade_examples
-from grader import similarity
+from grader import grade, similarity
 from grader.examples.a3_ddp import make
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -36,6 +36,11 @@ SUBSET_NAMES = [
     "test_overlap[tied-2-shm]",
     "test_no_sync_accumulates[deep-2-shm]",
 ]
+
+
+def test_the_subset_is_in_the_case_table():
+    names = {t.name for t in grade.load_assignment("a3_ddp").graded_tests(0)}
+    assert set(SUBSET_NAMES) <= names
 
 
 @pytest.mark.timeout(400)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from grade_helpers import check_expected_scores, grade_examples
-from grader import similarity
+from grader import grade, similarity
 from grader.examples.a4_compression import make
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -35,6 +35,11 @@ SUBSET_NAMES = [
     "test_error_feedback_loses_nothing",
     "test_bytes_on_the_wire[2-pipe]",
 ]
+
+
+def test_the_subset_is_in_the_case_table():
+    names = {t.name for t in grade.load_assignment("a4_compression").graded_tests(0)}
+    assert set(SUBSET_NAMES) <= names
 
 
 @pytest.mark.timeout(400)

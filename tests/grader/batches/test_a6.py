@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from grade_helpers import check_expected_scores, grade_examples
-from grader import similarity
+from grader import grade, similarity
 from grader.examples.a6_inference import make
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -31,6 +31,11 @@ SUBSET = (
 )
 
 SUBSET_NAMES = [pattern.replace("[[]", "[") for pattern in SUBSET]
+
+
+def test_the_subset_is_in_the_case_table():
+    names = {t.name for t in grade.load_assignment("a6_inference").graded_tests(0)}
+    assert set(SUBSET_NAMES) <= names
 
 
 @pytest.mark.timeout(500)
