@@ -4,7 +4,9 @@ Each runs ``python -m grader grade <assignment>`` once on the example students o
 ``grader/examples/<assignment>/make.py`` and the released stub, and reads the gradebook back:
 ``grade_examples`` makes that batch, ``check_expected_scores`` holds every example to its expected
 status and score (``make.LOST``, ``make.expected_score``) and the stub to zero. What each
-student's feedback must say stays in the assignment's file.
+student's feedback must say stays in the assignment's file. ``grade_solution_and_stub`` grades
+the solution and the released stub on every hidden test, once per assignment:
+``check_full_marks_and_zero`` holds them to all the points and none.
 """
 
 from __future__ import annotations
@@ -65,3 +67,32 @@ def check_expected_scores(out: Path, book: dict[str, dict], make, subset_names: 
     assert book["stub"]["score"] == "0" and book["stub"]["status"] == "ok"
     stub = json.loads((out / "stub" / "results.json").read_text())
     assert all("NotImplementedError" in t["output"] and "TODO(task" in t["output"] for t in stub["tests"])
+
+
+def grade_solution_and_stub(
+    assignment: str, tmp_path: Path, timeout: float = 900
+) -> tuple[Path, dict[str, dict]]:
+    """The solution and the released stub, graded on every hidden test in one batch."""
+    submissions, out = tmp_path / "subs", tmp_path / "out"
+    for name, folder in (("solution", "solutions"), ("stub", "assignments")):
+        (submissions / name).mkdir(parents=True)
+        for student_file in grade.load_assignment(assignment).student_files:
+            source = ROOT / folder / assignment / student_file
+            (submissions / name / student_file).write_bytes(source.read_bytes())
+    run_grader(assignment, submissions, out, "--jobs", "2", timeout=timeout)
+    return out, gradebook(out)
+
+
+def check_full_marks_and_zero(assignment: str, out: Path, book: dict[str, dict]) -> None:
+    """The solution earns every point of the table; the stub none, every test failing with its TODO."""
+    cases = grade.load_assignment(assignment).cases(0)
+    total = sum(case.points for case in cases)
+    solution = book["solution"]
+    assert solution["score"] == f"{total:g}" == solution["max_score"] and solution["status"] == "ok", solution
+    assert book["stub"]["score"] == "0" and book["stub"]["status"] == "ok", book["stub"]
+    stub = json.loads((out / "stub" / "results.json").read_text())
+    assert len(stub["tests"]) == len(cases)
+    wrong = [
+        t for t in stub["tests"] if "NotImplementedError" not in t["output"] or "TODO(task" not in t["output"]
+    ]
+    assert not wrong, [t["output"][:200] for t in wrong]

@@ -26,8 +26,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from grade_helpers import check_full_marks_and_zero, grade_solution_and_stub
 from grader import similarity
-from grader.a1_collectives.grading import ASSIGNMENT as assignment
 from grader.examples.a1_collectives import make
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -101,14 +101,9 @@ def batch(tmp_path_factory) -> Batch:
 
 
 @pytest.fixture(scope="module")
-def full(tmp_path_factory) -> Batch:
-    submissions = tmp_path_factory.mktemp("full")
-    for name, source in (("solution", make.SOLUTION), ("stub", make.STUB)):
-        (submissions / name).mkdir()
-        (submissions / name / "collectives.py").write_bytes(source.read_bytes())
-    out = tmp_path_factory.mktemp("graded-full") / "out"
-    output = grade(submissions, out, "--jobs", "2", tests=None, timeout=900)
-    return Batch(submissions, out, output, gradebook(out), sandbox_processes())
+def full(tmp_path_factory):
+    out, book = grade_solution_and_stub("a1_collectives", tmp_path_factory.mktemp("full"))
+    return out, book, sandbox_processes()
 
 
 @pytest.mark.timeout(700)
@@ -191,16 +186,9 @@ def test_a_rerun_resumes_and_regrades_to_the_same_gradebook(batch):
 
 @pytest.mark.timeout(1000)
 def test_the_solution_scores_full_marks_and_the_stub_zero(full):
-    book = full.book
-    total = sum(t.points for t in assignment.graded_tests(0))
-    assert book["solution"]["score"] == f"{total:g}" == book["solution"]["max_score"], book["solution"]
-    assert book["stub"]["score"] == "0" and book["stub"]["status"] == "ok"
-    stub = json.loads((full.out / "stub" / "results.json").read_text())
-    assert len(stub["tests"]) == len(assignment.graded_tests(0)) >= 50
-    assert all("NotImplementedError" in t["output"] for t in stub["tests"]), [
-        t["output"][:200] for t in stub["tests"] if "NotImplementedError" not in t["output"]
-    ]
-    assert not full.leftovers
+    out, book, leftovers = full
+    check_full_marks_and_zero("a1_collectives", out, book)
+    assert not leftovers
 
 
 @pytest.mark.timeout(300)
