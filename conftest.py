@@ -46,7 +46,9 @@ def markers_for(path: str, name: str = "") -> list[str]:
     A CUDA test lives beside the CPU tests of the same code and says so in its name
     (``test_..._on_cuda``): it is marked ``gpu`` wherever it is.
     """
-    found = ["notebooks"] if path.endswith(".ipynb") else []
+    if path.endswith(".ipynb"):
+        return ["notebooks"]  # its own tier, wherever it lives
+    found = []
     if "cuda" in name.lower():
         found.append("gpu")
     for marker, prefixes in PATH_MARKERS.items():

@@ -18,7 +18,7 @@ import pytest
 
 _seconds: dict[str, float] = {}
 _tests: dict[str, int] = {}
-_tiers: dict[str, str] = {}
+_tiers: dict[str, set[str]] = {}
 _start = time.monotonic()
 
 
@@ -30,7 +30,7 @@ def _file_of(nodeid: str) -> str:
 def pytest_collection_modifyitems(items) -> None:
     for item in items:
         tier = [m for m in ("slow", "notebooks", "browser", "gpu") if item.get_closest_marker(m)]
-        _tiers[_file_of(item.nodeid)] = ",".join(tier) or "fast"
+        _tiers.setdefault(_file_of(item.nodeid), set()).add(",".join(tier) or "fast")
 
 
 def pytest_runtest_logreport(report) -> None:
@@ -49,7 +49,7 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
     for path, seconds in sorted(_seconds.items(), key=lambda kv: -kv[1])[:rows]:
         terminalreporter.write_line(
             f"{seconds:8.1f} s {100 * seconds / total:5.1f}%  {_tests.get(path, 0):4d} tests  "
-            f"{_tiers.get(path, '?'):9s} {path}"
+            f"{'+'.join(sorted(_tiers.get(path, {'?'}))):9s} {path}"
         )
     wall = time.monotonic() - _start
     terminalreporter.write_line(f"{total:8.1f} s in tests, {wall:.1f} s of wall time since start-up")
