@@ -20,7 +20,7 @@ listed in ``grader/README.md``.
 this rank sent, with a copy of its bytes, and every receive it completed, in this rank's order.
 The trusted side of a1 pairs the transcripts of all ranks and checks that each message carries
 real data the sender could have had at that moment, and that every rank received what its
-result depends on (``grader/a1_collectives/test_hidden.py``, ``check_transcripts``): an answer
+result depends on (``grader/a1_collectives/reference.py``, ``check_transcripts``): an answer
 computed without communicating -- or with dummy messages of the budgeted sizes -- fails.
 """
 

@@ -1,6 +1,6 @@
 """Trusted references and checks of assignment 2, computed in one process from the inputs alone.
 
-Used by ``test_hidden.py`` (pytest) and ``grading.py`` (the grader, on reports read back from
+Used by the checks of ``cases.py`` (under pytest and in the grader, on reports read back from
 the sandbox). Never copied into the sandbox. A failure is ``pytest.fail`` with a message for
 the student that names what is wrong without giving the expected values away.
 """
