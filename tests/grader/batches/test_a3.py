@@ -4,8 +4,7 @@ One batch on a subset of the hidden tests that tells the examples of
 ``grader/examples/a3_ddp/make.py`` apart (``--jobs 2``); then the two forgeries run straight into
 the hidden tests, past the intake check: the worker's own defences catch them. The pieces
 (intake, guard, recorder): ``tests/grader/test_grade_a3.py``.
-A second batch grades the solution and the released stub on every hidden test: all the points
-and none.
+The solution and the stub on every hidden test: ``test_solutions_and_stubs.py``.
 """
 
 from __future__ import annotations
@@ -19,9 +18,7 @@ import pytest
 
 from grade_helpers import (
     check_expected_scores,
-    check_full_marks_and_zero,
     grade_examples,
-    grade_solution_and_stub,
 )
 from grader import grade, similarity
 from grader.examples.a3_ddp import make
@@ -93,13 +90,3 @@ def test_the_forgeries_fail_even_past_the_intake_check(tmp_path):
     assert "1 failed, 1 passed" in trent and "nothing overlaps backward" in trent, trent[-3000:]
     mallory = hidden_tests_on(tmp_path / "mallory", "test_no_sync_accumulates and deep")
     assert "1 failed" in mallory and "no attribute 'phase'" in mallory, mallory[-3000:]
-
-
-@pytest.fixture(scope="module")
-def full(tmp_path_factory):
-    return grade_solution_and_stub("a3_ddp", tmp_path_factory.mktemp("full"))
-
-
-@pytest.mark.timeout(1000)
-def test_the_solution_scores_full_marks_and_the_stub_zero_on_every_test(full):
-    check_full_marks_and_zero("a3_ddp", *full)

@@ -4,8 +4,7 @@ One batch on a subset of the hidden tests that tells the examples of
 ``grader/examples/a5_model_parallel/make.py`` apart, the red team's cheats included (``--jobs 2``,
 a fixed seed key). The grader's schedules, checker and simulator, and the checks that cheats
 met: ``tests/grader/test_grade_a5.py``.
-A second batch grades the solution and the released stub on every hidden test: all the points
-and none.
+The solution and the stub on every hidden test: ``test_solutions_and_stubs.py``.
 """
 
 from __future__ import annotations
@@ -16,9 +15,7 @@ import pytest
 
 from grade_helpers import (
     check_expected_scores,
-    check_full_marks_and_zero,
     grade_examples,
-    grade_solution_and_stub,
 )
 from grader import grade, similarity
 from grader.examples.a5_model_parallel import make
@@ -69,13 +66,3 @@ def test_the_examples_and_the_stub_get_their_scores(tmp_path):
     # (test_the_executor_check_compares_what_was_sent_and_which_microbatch_ran checks that part)
     assert "the gradient of parameter" in (out / "padded_traffic" / "feedback.md").read_text()
     assert float(book["alice"]["similarity"]) < similarity.FLAG_AT
-
-
-@pytest.fixture(scope="module")
-def full(tmp_path_factory):
-    return grade_solution_and_stub("a5_model_parallel", tmp_path_factory.mktemp("full"))
-
-
-@pytest.mark.timeout(1000)
-def test_the_solution_scores_full_marks_and_the_stub_zero_on_every_test(full):
-    check_full_marks_and_zero("a5_model_parallel", *full)

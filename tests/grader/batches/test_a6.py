@@ -4,8 +4,7 @@ One batch on a subset of the hidden tests that tells the examples of
 ``grader/examples/a6_inference/make.py`` apart, both red teams' cheats included (``--jobs 2``, a
 fixed seed key). The grader's int8, NF4, attention and decoder, and the checks that cheats met:
 ``tests/grader/test_grade_a6.py``.
-A second batch grades the solution and the released stub on every hidden test: all the points
-and none.
+The solution and the stub on every hidden test: ``test_solutions_and_stubs.py``.
 """
 
 from __future__ import annotations
@@ -16,9 +15,7 @@ import pytest
 
 from grade_helpers import (
     check_expected_scores,
-    check_full_marks_and_zero,
     grade_examples,
-    grade_solution_and_stub,
 )
 from grader import grade, similarity
 from grader.examples.a6_inference import make
@@ -72,13 +69,3 @@ def test_the_examples_and_the_stub_get_their_scores(tmp_path):
     assert "getattr" in book["closure_log"]["reason"]
     assert "does not require grad" in (out / "autograd_weights" / "feedback.md").read_text()
     assert float(book["alice"]["similarity"]) < similarity.FLAG_AT
-
-
-@pytest.fixture(scope="module")
-def full(tmp_path_factory):
-    return grade_solution_and_stub("a6_inference", tmp_path_factory.mktemp("full"))
-
-
-@pytest.mark.timeout(1000)
-def test_the_solution_scores_full_marks_and_the_stub_zero_on_every_test(full):
-    check_full_marks_and_zero("a6_inference", *full)
