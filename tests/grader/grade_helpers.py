@@ -1,9 +1,9 @@
 """What the grading batches (``tests/grader/batches/test_a*.py``) share.
 
 Each runs ``python -m grader grade <assignment>`` once on the example students of
-``grader/examples/<assignment>/make.py`` and the released stub, and reads the gradebook back:
+``grader/examples/<assignment>/make.py`` and reads the gradebook back:
 ``grade_examples`` makes that batch, ``check_expected_scores`` holds every example to its expected
-status and score (``make.LOST``, ``make.expected_score``) and the stub to zero. What each
+status and score (``make.LOST``, ``make.expected_score``). What each
 student's feedback must say stays in the assignment's file. ``grade_solution_and_stub`` grades
 the solution and the released stub on every hidden test, once per assignment:
 ``check_full_marks_and_zero`` holds them to all the points and none.
@@ -45,28 +45,22 @@ def gradebook(out: Path) -> dict[str, dict]:
 def grade_examples(
     assignment: str, make, subset: tuple[str, ...], tmp_path: Path, *extra: str, timeout: float = 600
 ) -> tuple[Path, dict[str, dict]]:
-    """Every example student of ``make`` and the released stub, graded on ``subset`` in one batch;
-    the output folder and the gradebook."""
+    """Every example student of ``make``, graded on ``subset`` in one batch; the output folder and
+    the gradebook. (The stub is graded on every test in ``grade_solution_and_stub``.)"""
     submissions, out = tmp_path / "subs", tmp_path / "out"
     make.write(submissions, make.build_dict())
-    (submissions / "stub").mkdir()
-    for name in grade.load_assignment(assignment).student_files:
-        (submissions / "stub" / name).write_bytes((ROOT / "assignments" / assignment / name).read_bytes())
     selection = [arg for pattern in subset for arg in ("--tests", pattern)]
     run_grader(assignment, submissions, out, "--jobs", "2", *extra, *selection, timeout=timeout)
     return out, gradebook(out)
 
 
-def check_expected_scores(out: Path, book: dict[str, dict], make, subset_names: list[str]) -> None:
-    """alice (the solution) full marks, each example its (status, score), the stub 0 with a TODO per test."""
+def check_expected_scores(book: dict[str, dict], make, subset_names: list[str]) -> None:
+    """alice (the solution) full marks, each example its (status, score)."""
     alice = book["alice"]
     assert alice["score"] == alice["max_score"] == f"{make.expected_score('alice', subset_names):g}", alice
     for student, (status, _) in make.LOST.items():
         score = make.expected_score(student, subset_names)
         assert (book[student]["status"], float(book[student]["score"])) == (status, score), book[student]
-    assert book["stub"]["score"] == "0" and book["stub"]["status"] == "ok"
-    stub = json.loads((out / "stub" / "results.json").read_text())
-    assert all("NotImplementedError" in t["output"] and "TODO(task" in t["output"] for t in stub["tests"])
 
 
 def grade_solution_and_stub(

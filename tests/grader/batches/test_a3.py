@@ -1,4 +1,4 @@
-"""``python -m grader grade a3_ddp``: the example students and the stub, graded once.
+"""``python -m grader grade a3_ddp``: the example students, graded once.
 
 One batch on a subset of the hidden tests that tells the examples of
 ``grader/examples/a3_ddp/make.py`` apart (``--jobs 2``); then the two forgeries run straight into
@@ -48,9 +48,9 @@ def test_the_subset_is_in_the_case_table():
 
 
 @pytest.mark.timeout(400)
-def test_the_examples_and_the_stub_get_their_scores(tmp_path):
+def test_the_examples_get_their_scores(tmp_path):
     out, book = grade_examples("a3_ddp", make, SUBSET, tmp_path, "--test-timeout", "20")
-    check_expected_scores(out, book, make, SUBSET_NAMES)
+    check_expected_scores(book, make, SUBSET_NAMES)
     assert "did not finish within 20 s" in (out / "dave" / "feedback.md").read_text()
     assert "nothing overlaps backward" in (out / "bob" / "feedback.md").read_text()
     assert "bucket 1 (in launch order)" in (out / "lazy" / "feedback.md").read_text()

@@ -1,4 +1,4 @@
-"""``python -m grader grade a4_compression``: the example students and the stub, graded once.
+"""``python -m grader grade a4_compression``: the example students, graded once.
 
 One batch on a subset of the hidden tests that tells the examples of
 ``grader/examples/a4_compression/make.py`` apart (``--jobs 2``, a fixed seed key). The grader's
@@ -47,13 +47,13 @@ def test_the_subset_is_in_the_case_table():
 
 
 @pytest.mark.timeout(400)
-def test_the_examples_and_the_stub_get_their_scores(tmp_path):
+def test_the_examples_get_their_scores(tmp_path):
     # a fixed key: with some seeds the sampled threshold happens to pick exactly the top k,
     # and carol's exact top-k would then pass the tests it is meant to lose
     out, book = grade_examples(
         "a4_compression", make, SUBSET, tmp_path, "--test-timeout", "30", "--seed-key", "k"
     )
-    check_expected_scores(out, book, make, SUBSET_NAMES)
+    check_expected_scores(book, make, SUBSET_NAMES)
     assert "(everything sent) + (what is left in v)" in (out / "bob" / "feedback.md").read_text()
     assert "the recipe chooses" in (out / "carol" / "feedback.md").read_text()
     assert "KeyError" in (out / "erin" / "feedback.md").read_text()

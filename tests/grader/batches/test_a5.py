@@ -1,4 +1,4 @@
-"""``python -m grader grade a5_model_parallel``: the example students and the stub, graded once.
+"""``python -m grader grade a5_model_parallel``: the example students, graded once.
 
 One batch on a subset of the hidden tests that tells the examples of
 ``grader/examples/a5_model_parallel/make.py`` apart, the red team's cheats included (``--jobs 2``,
@@ -44,11 +44,11 @@ def test_the_subset_is_in_the_case_table():
 
 
 @pytest.mark.timeout(500)
-def test_the_examples_and_the_stub_get_their_scores(tmp_path):
+def test_the_examples_get_their_scores(tmp_path):
     out, book = grade_examples(
         "a5_model_parallel", make, SUBSET, tmp_path, "--test-timeout", "30", "--seed-key", "k"
     )
-    check_expected_scores(out, book, make, SUBSET_NAMES)
+    check_expected_scores(book, make, SUBSET_NAMES)
     assert "not the 1F1B schedule" in (out / "bob" / "feedback.md").read_text()
     assert "call(s) of md.allreduce" in (out / "carol" / "feedback.md").read_text()
     assert "differs from the dense model" in (out / "dave" / "feedback.md").read_text()

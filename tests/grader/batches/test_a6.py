@@ -1,4 +1,4 @@
-"""``python -m grader grade a6_inference``: the example students and the stub, graded once.
+"""``python -m grader grade a6_inference``: the example students, graded once.
 
 One batch on a subset of the hidden tests that tells the examples of
 ``grader/examples/a6_inference/make.py`` apart, both red teams' cheats included (``--jobs 2``, a
@@ -43,11 +43,11 @@ def test_the_subset_is_in_the_case_table():
 
 
 @pytest.mark.timeout(500)
-def test_the_examples_and_the_stub_get_their_scores(tmp_path):
+def test_the_examples_get_their_scores(tmp_path):
     out, book = grade_examples(
         "a6_inference", make, SUBSET, tmp_path, "--test-timeout", "30", "--seed-key", "k"
     )
-    check_expected_scores(out, book, make, SUBSET_NAMES)
+    check_expected_scores(book, make, SUBSET_NAMES)
     assert "high four bits" in (out / "dave" / "feedback.md").read_text()
     assert "projection saw" in (out / "erin" / "feedback.md").read_text()
     assert "minidist.quant" in book["frank"]["reason"]
