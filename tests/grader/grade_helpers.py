@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
+
 from grader import grade
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,6 +36,19 @@ def run_grader(assignment: str, submissions: Path, out: Path, *extra: str, timeo
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout + result.stderr
+
+
+#: the user ids of the sandboxes (one per parallel job); a process of theirs alive after a run leaked
+SANDBOX_UIDS = range(grade.UID_BASE, grade.UID_BASE + 16)
+
+
+def sandbox_processes() -> list[int]:
+    """Pids of live processes that run as a sandbox user."""
+    return [
+        p.pid
+        for p in psutil.process_iter(["uids", "status"])
+        if p.info["uids"] and p.info["uids"].real in SANDBOX_UIDS and p.info["status"] != psutil.STATUS_ZOMBIE
+    ]
 
 
 def gradebook(out: Path) -> dict[str, dict]:

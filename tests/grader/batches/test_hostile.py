@@ -29,10 +29,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
-from grader import cgroups, grade, sandbox
+from grade_helpers import sandbox_processes
+from grader import cgroups, sandbox
 from grader.examples import common
 from grader.examples.a1_collectives import isolation, make, resources, robust
 from test_grade_robust import lines_outside_fences, strict_json
@@ -47,7 +47,6 @@ PROTECTED = (
 needs_isolation = pytest.mark.skipif(
     not PROTECTED, reason="needs root with mount, network, IPC and PID namespaces, no_new_privs and cgroups"
 )
-SANDBOX_UIDS = range(grade.UID_BASE, grade.UID_BASE + 16)
 KEY = f"hostile-secret-{os.getpid()}"  # on the grader's command line: cmdline_spy looks for it
 #: two tests on the torch transport (net_snoop's target); ring_allgather is where surrogate and
 #: markdown_forge raise, and two jobs give record_race one record it surely forges
@@ -92,14 +91,6 @@ def mounts_under(folder: Path) -> list[str]:
     prefix = str(folder.resolve()) + "/"
     with open("/proc/self/mountinfo") as info:
         return [line.split()[4] for line in info if line.split()[4].startswith(prefix)]
-
-
-def sandbox_processes() -> list[int]:
-    return [
-        p.pid
-        for p in psutil.process_iter(["uids", "status"])
-        if p.info["uids"] and p.info["uids"].real in SANDBOX_UIDS and p.info["status"] != psutil.STATUS_ZOMBIE
-    ]
 
 
 class Batch:

@@ -7,8 +7,8 @@ import os
 
 import pytest
 from test_a1 import grade as run_grade
-from test_a1 import gradebook
 
+from grade_helpers import gradebook
 from grader import cgroups
 from grader.examples.a1_collectives import make
 

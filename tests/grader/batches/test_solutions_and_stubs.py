@@ -9,22 +9,11 @@ solution and stub on every test beside its examples, so it is not graded again h
 
 from __future__ import annotations
 
-import psutil
 import pytest
 
-from grade_helpers import check_full_marks_and_zero, grade_solution_and_stub
-from grader import grade
+from grade_helpers import check_full_marks_and_zero, grade_solution_and_stub, sandbox_processes
 
 ASSIGNMENTS = ["a1_collectives", "a3_ddp", "a4_compression", "a5_model_parallel", "a6_inference"]
-SANDBOX_UIDS = range(grade.UID_BASE, grade.UID_BASE + 16)
-
-
-def sandbox_processes() -> list[int]:
-    return [
-        p.pid
-        for p in psutil.process_iter(["uids", "status"])
-        if p.info["uids"] and p.info["uids"].real in SANDBOX_UIDS and p.info["status"] != psutil.STATUS_ZOMBIE
-    ]
 
 
 @pytest.mark.timeout(1000)
