@@ -21,7 +21,7 @@ The GloVe track is imported on its own: ``from minidist import glove``.
 
 from . import collectives
 from .collectives import allgather, allreduce, barrier, broadcast, cost_model, reduce, reduce_scatter
-from .comm import CommStats, Communicator, Work
+from .comm import CommStats, Communicator, CommView, Handle, Work
 from .errors import LaunchTimeout, MessageMismatch, PeerError, WorkerError
 from .launch import launch
 from .parallel.ddp import DistributedDataParallel
@@ -41,6 +41,8 @@ __all__ = [
     "CommStats",
     "DistributedDataParallel",
     "Communicator",
+    "CommView",
+    "Handle",
     "LaunchTimeout",
     "MessageMismatch",
     "PeerError",

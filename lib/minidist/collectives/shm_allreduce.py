@@ -50,9 +50,9 @@ import functools
 import numpy as np
 import torch
 
-from ..comm import KIND_DATA, describe_header, encode_header
 from ..errors import MessageMismatch
 from ..transport.shm_workspace import HEADER_START, OP_INDEX, SharedWorkspace
+from ..wire import KIND_DATA, describe_header, encode_header
 from .ops import OPS, Flat, combine_, finish_
 from .signature import signature_tag
 

@@ -5,7 +5,7 @@ and the same op, root and algorithm. Nothing forces them to, and a rank that
 differs would otherwise get a silently wrong result or wait forever. So each
 call computes a *signature* -- a checksum of all of these -- and every message
 of the collective carries it as its tag; the transport's header check then
-compares it with the receiver's (``comm.Communicator._do_recv``). The
+compares it with the receiver's (``transport.base.BaseComm._do_recv``). The
 shared-memory allreduce, which sends no messages, publishes the same number
 next to its data and compares it after its barrier.
 """

@@ -53,7 +53,8 @@ from dataclasses import dataclass
 import torch
 
 from ..collectives.async_ops import stream_of
-from ..comm import DTYPES, Communicator
+from ..comm import Communicator
+from ..wire import DTYPES
 from .buckets import allreduce_average
 
 ARCHITECTURES = ("central", "sharded", "ring", "byteps")

@@ -7,7 +7,7 @@ among the workers only. ``SubComm(comm, ranks)`` is that group::
     full communicator     0    1    2  |  3 (server)  4 (server)
     SubComm(comm, [0,1,2]) 0    1    2     -- not a member --
 
-It is a thin view, like ``comm.PlainComm``: ``send(t, dst)`` is
+It is a thin view (``comm.CommView``), like ``comm.PlainComm``: ``send(t, dst)`` is
 ``comm.send(t, ranks[dst])``, the same mailboxes and the same ``stats`` (traffic of a
 member is counted once, whichever view sent it); no shared workspace, so collectives
 on it run the point-to-point algorithms. Async collectives issued on it run on the
@@ -22,10 +22,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ..comm import CommStats, Communicator, Work
+from ..comm import Communicator, CommView, Handle
 
 
-class SubComm(Communicator):
+class SubComm(CommView):
     """The members ``ranks`` of ``inner`` (in that order), as a communicator of ``len(ranks)``."""
 
     def __init__(self, inner: Communicator, ranks: Sequence[int]) -> None:
@@ -39,23 +39,13 @@ class SubComm(Communicator):
                 f"rank {inner.rank} is not in the group {ranks}: only members may build it "
                 "(test `comm.rank in ranks` first)"
             )
-        super().__init__(ranks.index(inner.rank), len(ranks), inner.local_rank, inner.device, inner.timeout)
-        self.inner = inner
+        super().__init__(inner, rank=ranks.index(inner.rank), world_size=len(ranks))
         self.ranks = ranks
-        self.name = inner.name
-        self.supports_cuda = inner.supports_cuda
-        self.buffers_small_sends = inner.buffers_small_sends
 
     def __repr__(self) -> str:
         return f"SubComm({self.inner!r}, ranks={self.ranks})"
 
-    @property
-    def stats(self) -> CommStats:
-        return self.inner.stats
-
-    def reset_stats(self) -> None:
-        self.inner.reset_stats()
-
+    # --- what the view changes: peers are renumbered, the barrier spans the members only ---
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         self._check_peer(dst, "send to")
         self.inner.send(tensor, self.ranks[dst], tag)
@@ -64,11 +54,11 @@ class SubComm(Communicator):
         self._check_peer(src, "receive from")
         return self.inner.recv(tensor, self.ranks[src], tag)
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
         self._check_peer(dst, "send to")
         return self.inner.isend(tensor, self.ranks[dst], tag)
 
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Handle:
         self._check_peer(src, "receive from")
         return self.inner.irecv(tensor, self.ranks[src], tag)
 
@@ -81,9 +71,3 @@ class SubComm(Communicator):
             work = self.isend(token, (self.rank + step) % p)
             self.recv(torch.empty(1, dtype=torch.uint8), (self.rank - step) % p)
             work.wait()
-
-    def without_shortcuts(self) -> Communicator:
-        return self  # it has none
-
-    def close(self) -> None:
-        """Nothing to release: the inner communicator belongs to whoever created it."""

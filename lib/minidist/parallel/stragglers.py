@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..collectives.async_ops import stream_of
-from ..comm import DTYPES, Communicator
+from ..comm import Communicator
+from ..wire import DTYPES
 from .inbox import Inbox
 
 STOP = -1

@@ -8,7 +8,7 @@ name      how bytes move                              reaches
 "torch"   torch.distributed (gloo: TCP, NCCL: GPU)    several machines
 ========  ==========================================  =====================
 
-Each transport is a ``Communicator`` subclass; ``setup`` (in the launcher) and
+Each transport is a ``transport.base.BaseComm`` subclass; ``setup`` (in the launcher) and
 ``connect`` (in the worker) are the two halves of building one. The shm
 transport is three modules: ``shm`` (the mailboxes and their protocol, the
 teaching path), ``shm_fastpath`` (``ShmComm``: a shortcut for one-slot

@@ -33,7 +33,7 @@ independent links. Real networks pipeline latency (the next message starts
 while the previous one is still in flight) and share switch bandwidth; the model
 ignores both, so it overstates many small messages sent at once.
 
-``EmulatedLinkComm`` is a view of the inner communicator (``inner``): same rank,
+``EmulatedLinkComm`` is a view of the inner communicator (``comm.CommView``, ``inner``): same rank,
 peers, mailboxes and ``stats``; ``shared_workspace`` is None (an emulated
 network has no shared memory, so allreduce takes the point-to-point
 algorithms); async collectives on it run on the inner communicator's
@@ -49,7 +49,8 @@ from typing import NamedTuple
 
 import torch
 
-from ..comm import CommStats, Communicator, Work
+from ..comm import Communicator, CommView, Handle, Work
+from .base import BaseComm, PeerQueues
 
 
 class LinkSpec(NamedTuple):
@@ -103,7 +104,7 @@ class Link:
             return self._free_at
 
 
-class EmulatedLinkComm(Communicator):
+class EmulatedLinkComm(CommView):
     """A communicator whose messages cost ``alpha_s + nbytes / bandwidth_Bps`` (see the module)."""
 
     def __init__(self, inner: Communicator, alpha_s: float, bandwidth_Bps: float) -> None:
@@ -113,14 +114,12 @@ class EmulatedLinkComm(Communicator):
             raise ValueError(
                 f"bandwidth_Bps must be > 0 bytes/s (1.25e9 is 10 Gbit/s), got {bandwidth_Bps!r}"
             )
-        if not all(hasattr(inner, name) for name in ("rank", "world_size", "send", "recv", "isend", "irecv")):
+        if not isinstance(inner, Communicator):
             raise TypeError(f"EmulatedLinkComm wraps a communicator, got {type(inner).__name__}")
-        super().__init__(inner.rank, inner.world_size, inner.local_rank, inner.device, inner.timeout)
-        self.inner = inner
+        super().__init__(inner)
         self.name = "emulated"
-        self.supports_cuda = inner.supports_cuda
-        self.buffers_small_sends = inner.buffers_small_sends  # a delayed small send still buffers
         self.link = Link(alpha_s, bandwidth_Bps)
+        self._senders = PeerQueues(self.rank, "emulated-send")  # one thread per destination
 
     def __repr__(self) -> str:
         return (
@@ -136,40 +135,26 @@ class EmulatedLinkComm(Communicator):
     def bandwidth_Bps(self) -> float:
         return self.link.bandwidth_Bps
 
-    @property
-    def stats(self) -> CommStats:
-        return self.inner.stats
-
-    def reset_stats(self) -> None:
-        self.inner.reset_stats()
-
-    # --- sending: wait for the link, then hand over ---------------------------------
+    # --- sending: wait for the link, then hand over (receiving costs nothing extra) ---
     def _deliver(self, tensor: torch.Tensor, dst: int, tag: int, deliver_at: float) -> None:
         wait_until(deliver_at)
         self.inner.send(tensor, dst, tag)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Occupy the link for alpha + nbytes / bandwidth, then send through the inner communicator."""
-        self._check_tensor(tensor, "send")
+        BaseComm._check_tensor(tensor, "send")
         self._check_peer(dst, "send to")
         deliver_at = self.link.reserve(tensor.numel() * tensor.element_size())
-        self._post(dst, self._send_queues, lambda: self._deliver(tensor, dst, tag, deliver_at), None)
+        self._senders.post(dst, lambda: self._deliver(tensor, dst, tag, deliver_at), None)
 
-    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Work:
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
         """Like ``send``, in the background (one thread per destination keeps the order)."""
-        self._check_tensor(tensor, "isend")
+        BaseComm._check_tensor(tensor, "isend")
         self._check_peer(dst, "send to")
         deliver_at = self.link.reserve(tensor.numel() * tensor.element_size())
         work = Work(f"rank {self.rank}: isend to rank {dst} over the emulated link", tensor)
-        self._post(dst, self._send_queues, lambda: self._deliver(tensor, dst, tag, deliver_at), work)
+        self._senders.post(dst, lambda: self._deliver(tensor, dst, tag, deliver_at), work)
         return work
-
-    # --- receiving costs nothing extra: the sender has paid ---------------------------
-    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> torch.Tensor:
-        return self.inner.recv(tensor, src, tag)
-
-    def irecv(self, tensor: torch.Tensor, src: int, tag: int = 0) -> Work:
-        return self.inner.irecv(tensor, src, tag)
 
     def barrier(self) -> None:
         """The inner barrier, then the latency of its ceil(log2 p) rounds of empty messages."""
@@ -177,9 +162,6 @@ class EmulatedLinkComm(Communicator):
         rounds = math.ceil(math.log2(self.world_size)) if self.world_size > 1 else 0
         wait_until(time.perf_counter() + rounds * self.link.alpha_s)
 
-    def without_shortcuts(self) -> Communicator:
-        return self  # it has none
-
     def close(self) -> None:
         """Ends this view's sender threads; the inner communicator stays open."""
-        super().close()
+        self._senders.close()

@@ -36,8 +36,10 @@ from multiprocessing import Pipe
 import numpy as np
 import torch
 
-from ..comm import HEADER_INTS, Communicator, CompletedWork
+from ..comm import CompletedWork
 from ..errors import PeerError
+from ..wire import HEADER_INTS
+from .base import BaseComm
 
 HEADER_BYTES = HEADER_INTS * 8
 INLINE_BYTES = 32 * 1024
@@ -75,7 +77,7 @@ def resources_for_rank(resources, rank: int, world_size: int):
     }
 
 
-class PipeComm(Communicator):
+class PipeComm(BaseComm):
     """Point-to-point over OS pipes (see the module docstring)."""
 
     name = "pipe"
@@ -97,7 +99,7 @@ class PipeComm(Communicator):
             and not tensor.is_cuda
             and tensor.is_contiguous()
             and tensor.nbytes <= INLINE_BYTES
-            and (dst not in self._send_queues or self._send_queues[dst].pending == 0)
+            and self._send_queues.idle(dst)
             and self._room(conn) >= HEADER_BYTES + tensor.nbytes + 16
         ):
             self.send(tensor, dst, tag)

@@ -36,7 +36,7 @@ that has closed its communicator or whose process is gone raises ``PeerError``
 instead of a wait that never ends.
 
 This module is the teaching path: ``MailboxComm`` moves every message through
-``Communicator``'s generic protocol (header check, statistics, queues).
+``BaseComm``'s generic protocol (header check, statistics, queues).
 ``shm_fastpath.ShmComm``, what ``transport="shm"`` runs, adds a shortcut for
 messages that fit in one slot, and ``shm_workspace`` the block that all ranks share.
 """
@@ -53,9 +53,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ..comm import HEADER_INTS, Communicator
 from ..errors import PeerError
+from ..wire import HEADER_INTS
 from . import shm_workspace
+from .base import BaseComm
 from .presence import PeerPresence, allocate_presence
 from .shm_workspace import PIECE_BYTES, SLOT_BYTES, SharedWorkspace, allocate_workspace
 
@@ -148,7 +149,7 @@ class _Mailbox:
         self.local = 0  # chunks this side has sent (outbox) or consumed (inbox)
 
 
-class MailboxComm(Communicator):
+class MailboxComm(BaseComm):
     """Point-to-point over shared-memory mailboxes (see the module docstring)."""
 
     name = "shm"

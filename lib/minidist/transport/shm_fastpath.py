@@ -1,6 +1,6 @@
 """The shm transport's speed path: a message that fits in one mailbox slot.
 
-At 1 KiB every microsecond of Python counts, and ``Communicator``'s generic
+At 1 KiB every microsecond of Python counts, and ``BaseComm``'s generic
 protocol (``MailboxComm`` in ``shm.py``: build the header, check it field by
 field, count, hand over to queues) costs several. ``ShmComm`` -- what
 ``transport="shm"`` runs -- overrides ``send``/``recv``/``isend`` for the
@@ -28,7 +28,8 @@ import threading
 import numpy as np
 import torch
 
-from ..comm import KIND_DATA, CommStats, CompletedWork, encode_header
+from ..comm import CommStats, CompletedWork
+from ..wire import KIND_DATA, encode_header
 from .shm import MailboxComm, header_digest
 
 memmove = ctypes.memmove  # torch's copy_ releases the GIL; for small copies ctypes is quicker
@@ -99,7 +100,7 @@ class ShmComm(MailboxComm):
                 nbytes <= self.chunk
                 and not tensor.is_cuda
                 and tensor.is_contiguous()
-                and (not self._send_queues or self._idle(self._send_queues, dst))
+                and self._send_queues.idle(dst)
             ):
                 sent = box.local
                 if box.acked.value <= sent - self.slots:
@@ -133,7 +134,7 @@ class ShmComm(MailboxComm):
                 nbytes <= self.chunk
                 and not tensor.is_cuda
                 and tensor.is_contiguous()
-                and (not self._recv_queues or self._idle(self._recv_queues, src))
+                and self._recv_queues.idle(src)
             ):
                 acked = box.local
                 if box.sent.value <= acked:
@@ -167,13 +168,8 @@ class ShmComm(MailboxComm):
             and tensor.is_contiguous()
             and tensor.nbytes <= self.chunk
             and box.acked.value > box.local - self.slots
-            and (not self._send_queues or self._idle(self._send_queues, dst))
+            and self._send_queues.idle(dst)
         ):
             self.send(tensor, dst, tag)
             return CompletedWork(tensor)
         return super().isend(tensor, dst, tag)
-
-    @staticmethod
-    def _idle(queues, peer) -> bool:
-        peer_queue = queues.get(peer)
-        return peer_queue is None or peer_queue.pending == 0

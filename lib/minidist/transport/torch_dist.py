@@ -28,8 +28,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..comm import HEADER_INTS, Communicator
 from ..errors import PeerError
+from ..wire import HEADER_INTS
+from .base import BaseComm
 
 CHUNK_BYTES = 256 * 1024 * 1024
 INLINE_BYTES = 64 * 1024
@@ -42,7 +43,7 @@ def backend_for(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
-class TorchComm(Communicator):
+class TorchComm(BaseComm):
     """Point-to-point over torch.distributed (see the module docstring)."""
 
     name = "torch"
