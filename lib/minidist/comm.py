@@ -30,12 +30,20 @@ it changes.
 from __future__ import annotations
 
 import threading
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
+
+
+@runtime_checkable
+class Waitable(Protocol):
+    """The least a DDP comm hook may return: ``wait()`` gives the averaged gradient."""
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor | None: ...
 
 
 @runtime_checkable
@@ -130,11 +138,12 @@ class Work:
     message really ended rather than when someone got round to waiting for it."""
 
     _callbacks: list | None = None
+    _timeout_hint = ""  # said after "did not complete within ... s"
 
     def __init__(self, description: str, tensor: torch.Tensor | None = None) -> None:
         self._done = threading.Event()
         self._error: BaseException | None = None
-        self._description = description
+        self.description = description
         self.tensor = tensor
 
     def _finish(self, error: BaseException | None = None) -> None:
@@ -143,7 +152,10 @@ class Work:
             self._done.set()
             callbacks, self._callbacks = self._callbacks, None
         for callback in callbacks or ():
-            callback(self)
+            try:
+                callback(self)
+            except Exception:  # a broken callback must not end the thread that finished the work
+                traceback.print_exc()
 
     def add_done_callback(self, callback: Callable[[Handle], None]) -> None:
         with _CALLBACK_LOCK:
@@ -157,7 +169,7 @@ class Work:
 
     def wait(self, timeout: float | None = None) -> torch.Tensor | None:
         if not self._done.wait(timeout):
-            raise TimeoutError(f"{self._description} did not complete within {timeout} s")
+            raise TimeoutError(f"{self.description} did not complete within {timeout} s{self._timeout_hint}")
         if self._error is not None:
             raise self._error
         return self.tensor
@@ -176,6 +188,35 @@ class CompletedWork(Work):
 
     def wait(self, timeout: float | None = None) -> torch.Tensor | None:
         return self.tensor
+
+
+class DerivedWork:
+    """A handle whose operation is another handle's (``work``), with something to do after it.
+
+    ``wait()`` waits for ``work`` and returns ``self.finish(result)``, computed once (a
+    second ``wait()`` returns the same); ``is_completed()`` and ``add_done_callback`` are
+    ``work``'s. A subclass writes ``finish``: decompress, divide, copy back, time it.
+    """
+
+    def __init__(self, work: Handle) -> None:
+        self.work = work
+        self._finished = False
+        self._result: torch.Tensor | None = None
+
+    def finish(self, result: torch.Tensor | None) -> torch.Tensor | None:
+        return result
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def add_done_callback(self, callback: Callable[[Handle], None]) -> None:
+        self.work.add_done_callback(lambda _work: callback(self))
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor | None:
+        result = self.work.wait(timeout)
+        if not self._finished:
+            self._result, self._finished = self.finish(result), True
+        return self._result
 
 
 def check_peer(rank: int, world_size: int, peer: int, what: str) -> None:

@@ -39,6 +39,8 @@ import threading
 import time
 from collections.abc import Iterator
 
+from .comm import Communicator
+
 CATEGORIES = ("compute", "comm", "message", "optimizer")
 COLOURS = {"compute": "tab:blue", "comm": "tab:orange", "message": "tab:green", "optimizer": "tab:purple"}
 _WRAPPED = ("send", "recv", "isend", "irecv")
@@ -145,7 +147,7 @@ def _thread_name() -> str:
 
 
 # --- recording a communicator's messages ---------------------------------------------------
-def attach(comm, recorder: Recorder) -> None:
+def attach(comm: Communicator, recorder: Recorder) -> None:
     """Record every point-to-point message of ``comm`` (send, recv, isend, irecv) into ``recorder``.
 
     Wraps the four methods *of this instance* (the class is untouched, so other
@@ -223,7 +225,7 @@ def attach(comm, recorder: Recorder) -> None:
     comm.irecv = nonblocking("irecv", "recv")
 
 
-def detach(comm) -> None:
+def detach(comm: Communicator) -> None:
     """Stop recording ``comm``'s messages (undo ``attach``)."""
     originals = vars(comm).pop(_ORIGINALS, None)
     if originals is None:

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..comm import Communicator, DerivedWork, Handle
 from ._util import out_dir, print_table, save_json
 
 DEFAULT_CONFIGS = (
@@ -77,7 +78,7 @@ class _TimedHook:
     def __init__(self, inner) -> None:
         self.inner, self.seconds = inner, 0.0
 
-    def __call__(self, comm, flat, bucket_index):
+    def __call__(self, comm: Communicator, flat, bucket_index):
         start = time.perf_counter()
         work = self.inner(comm, flat, bucket_index)
         self.seconds += time.perf_counter() - start
@@ -87,21 +88,21 @@ class _TimedHook:
         self.inner.close()
 
 
-class _TimedWork:
-    def __init__(self, work, hook: _TimedHook) -> None:
-        self.work, self.hook = work, hook
+class _TimedWork(DerivedWork):
+    """The hook's handle, with the time spent in ``wait()`` added to the hook's ``seconds``."""
 
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
+    def __init__(self, work: Handle, hook: _TimedHook) -> None:
+        super().__init__(work)
+        self.hook = hook
 
-    def wait(self, timeout=None):
+    def wait(self, timeout: float | None = None) -> torch.Tensor | None:
         start = time.perf_counter()
-        result = self.work.wait(timeout)
+        result = super().wait(timeout)
         self.hook.seconds += time.perf_counter() - start
         return result
 
 
-def _architecture_worker(comm, cfg: AveragingBench, arch: str, n: int, k: int) -> dict:
+def _architecture_worker(comm: Communicator, cfg: AveragingBench, arch: str, n: int, k: int) -> dict:
     from ..models import bert
     from ..parallel import averaging
     from ..parallel.ddp import DistributedDataParallel
@@ -222,7 +223,7 @@ def print_architecture_table(rows: list[dict], gbit_per_s: float = 10.0) -> str:
 
 
 # --- stragglers ---------------------------------------------------------------------------------
-def _straggler_worker(comm, cfg: AveragingBench, mode: str, with_straggler: bool) -> dict:
+def _straggler_worker(comm: Communicator, cfg: AveragingBench, mode: str, with_straggler: bool) -> dict:
     from ..models import bert
     from ..parallel import stragglers
     from ..parallel.ddp import DistributedDataParallel

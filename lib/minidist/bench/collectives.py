@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from ..comm import Communicator
 from ._util import KIB, MIB, human_bytes, new_figure, out_dir, print_table, save_json, size_range
 
 TRANSPORT_ALGORITHMS = {
@@ -54,7 +55,9 @@ def _time(run, barrier, iterations: int, repeats: int) -> float:
     return best
 
 
-def allreduce_worker(comm, algorithms, sizes, repeats: int, with_gloo: bool, scale: float = 1.0) -> dict:
+def allreduce_worker(
+    comm: Communicator, algorithms, sizes, repeats: int, with_gloo: bool, scale: float = 1.0
+) -> dict:
     """Seconds per allreduce for each (algorithm, size); slowest rank's view is what counts,
     so every rank measures and the launcher keeps the maximum. With ``with_gloo``, also
     gloo's allreduce and the memory-copy ceiling ("memcpy": one copy of the tensor)."""

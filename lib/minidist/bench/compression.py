@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from ..comm import Communicator, DerivedWork, Handle
 from ._util import human_bytes, out_dir, print_table, save_json
 
 GBIT = 1.25e8  # bytes per second of 1 Gbit/s
@@ -132,23 +133,23 @@ class TimedHook:
     def __init__(self, inner) -> None:
         self.inner, self.seconds = inner, 0.0
 
-    def __call__(self, comm, flat_grad: torch.Tensor, bucket_index: int):
+    def __call__(self, comm: Communicator, flat_grad: torch.Tensor, bucket_index: int):
         start = time.perf_counter()
         work = self.inner(comm, flat_grad, bucket_index)
         self.seconds += time.perf_counter() - start
         return _TimedWork(work, self)
 
 
-class _TimedWork:
-    def __init__(self, work, hook: TimedHook) -> None:
-        self.work, self.hook = work, hook
+class _TimedWork(DerivedWork):
+    """The hook's handle, with the time spent in ``wait()`` added to the hook's ``seconds``."""
 
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
+    def __init__(self, work: Handle, hook: TimedHook) -> None:
+        super().__init__(work)
+        self.hook = hook
 
-    def wait(self, timeout: float | None = None) -> torch.Tensor:
+    def wait(self, timeout: float | None = None) -> torch.Tensor | None:
         start = time.perf_counter()
-        result = self.work.wait(timeout)
+        result = super().wait(timeout)
         self.hook.seconds += time.perf_counter() - start
         return result
 
@@ -161,7 +162,7 @@ class RowTrainer:
     load hits every row alike; the comparison of step times is fair within one run.
     """
 
-    def __init__(self, comm, cfg: CompressionBench, row: Row, final_sparsity: bool) -> None:
+    def __init__(self, comm: Communicator, cfg: CompressionBench, row: Row, final_sparsity: bool) -> None:
         from ..models import bert
         from ..parallel.ddp import DistributedDataParallel
 
@@ -212,7 +213,9 @@ class RowTrainer:
         }
 
 
-def _worker(comm, cfg: CompressionBench, rows, steps: int, link_Bps: float, final: bool) -> dict:
+def _worker(
+    comm: Communicator, cfg: CompressionBench, rows, steps: int, link_Bps: float, final: bool
+) -> dict:
     """Train every row for ``steps`` steps, in turn, on this rank (over an emulated link of
     ``link_Bps`` bytes/s with Ethernet's latency; 0: straight on shm)."""
     from ..transport.emulated import ETHERNET_10G, EmulatedLinkComm
@@ -346,7 +349,7 @@ def print_compression_table(result: dict) -> str:
     )
 
 
-def _bytes_worker(comm, numel: int, sparsity: float) -> dict:
+def _bytes_worker(comm: Communicator, numel: int, sparsity: float) -> dict:
     """Bytes this rank sends for one bucket of ``numel`` entries: dense ring allreduce vs DGC."""
     from ..collectives import allreduce
     from ..parallel.compression import DeepGradientCompression, DGCConfig

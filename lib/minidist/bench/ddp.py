@@ -59,6 +59,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..comm import Communicator
 from ._util import human_bytes, new_figure, out_dir, print_table, save_json
 
 
@@ -110,7 +111,7 @@ def _batches(cfg: DdpBench, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 class _Variant:
     """One row's model, optimizer and measurements inside a worker."""
 
-    def __init__(self, comm, cfg: DdpBench, mode: Mode) -> None:
+    def __init__(self, comm: Communicator, cfg: DdpBench, mode: Mode) -> None:
         from .. import trace
         from ..parallel.ddp import DistributedDataParallel
         from ..transport.emulated import ETHERNET_10G, EmulatedLinkComm
@@ -194,7 +195,7 @@ def _covered_us(intervals: list[tuple[float, float]]) -> float:
     return covered
 
 
-def bench_worker(comm, cfg: DdpBench, modes: list[Mode], store: str | None = None) -> dict:
+def bench_worker(comm: Communicator, cfg: DdpBench, modes: list[Mode], store: str | None = None) -> dict:
     """Every mode on this rank, interleaved: one step of each per round (``md.launch``
     sets one thread per rank). ``store``: a file for torch's gloo process group."""
     import torch.distributed as dist

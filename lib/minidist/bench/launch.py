@@ -19,10 +19,11 @@ import subprocess
 import sys
 import time
 
+from ..comm import Communicator
 from ._util import new_figure, out_dir, print_table, save_json
 
 
-def barrier_worker(comm):
+def barrier_worker(comm: Communicator):
     comm.barrier()
     return comm.rank
 

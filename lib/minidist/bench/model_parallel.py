@@ -60,6 +60,8 @@ from minidist.models.decoder import DecoderLM
 from minidist.models.transformer import TransformerConfig
 from minidist.parallel import zero
 
+from ..comm import Communicator
+
 # --------------------------------------------------------------------------------------------
 # Shared run functions (tests/lib/parallel/test_zero.py, notebook 08, the bench below)
 # --------------------------------------------------------------------------------------------
@@ -135,7 +137,7 @@ def reference(cfg: dict) -> dict[str, torch.Tensor]:
     return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
 
 
-def train_zero(comm, cfg: dict) -> dict:
+def train_zero(comm: Communicator, cfg: dict) -> dict:
     """Rank body (``md.launch(train_zero, 2, args=(cfg,))``): ZeRO stage 1 or 2
     (``zero.ZeroOptimizer``) or stage 3 (``zero.FullyShardedModule`` + AdamW on the shards).
 
@@ -216,7 +218,7 @@ def fsdp2_model(cfg: dict) -> DecoderLM:
     return model
 
 
-def train_fsdp2(comm, cfg: dict) -> dict:
+def train_fsdp2(comm: Communicator, cfg: dict) -> dict:
     """Rank body: torch's FSDP2 (:func:`fsdp2_model`) on the same model and data; needs
     ``transport="torch"`` (a gloo process group). Returns ``state``,
     ``step_s``, ``peak_rss_growth`` and ``loss`` measured as in :func:`train_zero`."""
@@ -267,7 +269,7 @@ def _start_peak() -> int:
     return memory.rss_bytes()
 
 
-def compare_with_fsdp2(comm, cfg: dict) -> dict:
+def compare_with_fsdp2(comm: Communicator, cfg: dict) -> dict:
     """Rank body: ours (stage 3) then FSDP2 in the same launch (``transport="torch"``), same
     model and data.
 
@@ -380,7 +382,7 @@ def _held(params, opt) -> int:
     return memory.tensor_bytes(params) + memory.tensor_bytes(grads) + memory.tensor_bytes(state)
 
 
-def _interleaved_worker(comm, bench: ModelParallelBench) -> dict:
+def _interleaved_worker(comm: Communicator, bench: ModelParallelBench) -> dict:
     """DP (our DDP), TP-2, PP GPipe, PP 1F1B and ZeRO-1/2/3 in one launch, interleaved: one step
     of each per round, a barrier before each step, so that load that drifts slows every variant
     alike. Per variant: step times, bytes sent in the last step, loss; model states held after
@@ -474,14 +476,14 @@ def _interleaved_worker(comm, bench: ModelParallelBench) -> dict:
     return out
 
 
-def _one_thread(comm, fn, cfg: dict):
+def _one_thread(comm: Communicator, fn, cfg: dict):
     """``fn(comm, cfg)`` with one torch thread per rank, as in the interleaved launch (2 ranks on
     2 cores: more threads would only fight over the cores)."""
     torch.set_num_threads(1)
     return fn(comm, cfg)
 
 
-def _zero3_vs_fsdp2_worker(comm, bench: ModelParallelBench) -> dict:
+def _zero3_vs_fsdp2_worker(comm: Communicator, bench: ModelParallelBench) -> dict:
     """Ours (ZeRO-3) and FSDP2 on gloo in one launch, interleaved step by step (for step times;
     their memory comes from :func:`compare_with_fsdp2`, where each runs on its own)."""
     torch.set_num_threads(1)

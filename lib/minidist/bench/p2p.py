@@ -16,6 +16,7 @@ import time
 import torch
 
 from ..collectives.cost_model import AlphaBeta, fit_alpha_beta
+from ..comm import Communicator
 from ._util import KIB, MIB, human_bytes, new_figure, out_dir, print_table, save_json, size_range
 
 
@@ -42,7 +43,9 @@ def _pingpong(send, recv, barrier, rank: int, tensor: torch.Tensor, iterations: 
     return best
 
 
-def pingpong_worker(comm, sizes: list[int], repeats: int, with_gloo: bool, scale: float = 1.0) -> dict:
+def pingpong_worker(
+    comm: Communicator, sizes: list[int], repeats: int, with_gloo: bool, scale: float = 1.0
+) -> dict:
     """Run by ``md.launch`` on 2 ranks; returns {"ours": {size: s}, "gloo": {size: s}}."""
     out: dict[str, dict[int, float]] = {"ours": {}, "gloo": {}}
     for size in sizes:

@@ -29,6 +29,7 @@ import functools
 
 import torch
 
+from ..comm import Communicator
 from ..errors import MessageMismatch
 from . import cost_model
 from .async_ops import CollectiveWork, run_collective
@@ -43,14 +44,14 @@ ALLREDUCE_ALGORITHMS = ("auto", "star", "tree", "ring", "butterfly", "shm")
 ROOTED_ALGORITHMS = ("auto", "star", "tree")
 
 
-def _check(comm, tensor, name: str) -> None:
+def _check(comm: Communicator, tensor, name: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} expects a torch.Tensor, got {type(tensor).__name__}")
     if not hasattr(comm, "world_size") or not hasattr(comm, "send"):
         raise TypeError(f"{name}(comm, tensor, ...): the first argument must be the communicator")
 
 
-def _check_root(comm, root: int, what: str) -> None:
+def _check_root(comm: Communicator, root: int, what: str) -> None:
     if not 0 <= root < comm.world_size:
         raise ValueError(f"{what}={root} is not a rank: ranks are 0..{comm.world_size - 1}")
 
@@ -66,7 +67,7 @@ def _explained(name: str, error: MessageMismatch) -> MessageMismatch:
     )
 
 
-def _agree_on_root(comm, tag: int) -> None:
+def _agree_on_root(comm: Communicator, tag: int) -> None:
     """One ring round of empty messages that carry the signature.
 
     Broadcast and reduce need it because their messages alone cannot expose a
@@ -84,7 +85,7 @@ def _agree_on_root(comm, tag: int) -> None:
 
 
 def broadcast(
-    comm, tensor: torch.Tensor, src: int = 0, algorithm: str = "auto", async_op: bool = False
+    comm: Communicator, tensor: torch.Tensor, src: int = 0, algorithm: str = "auto", async_op: bool = False
 ) -> torch.Tensor | CollectiveWork:
     """Copy ``src``'s tensor into every rank's ``tensor`` (in place).
 
@@ -102,7 +103,7 @@ def broadcast(
     return run_collective(comm, lambda: f"broadcast(src={src}, {_describe(tensor)})", body, async_op)
 
 
-def _broadcast(comm, tensor: torch.Tensor, src: int, algorithm: str) -> torch.Tensor:
+def _broadcast(comm: Communicator, tensor: torch.Tensor, src: int, algorithm: str) -> torch.Tensor:
     if comm.world_size == 1:
         return tensor
     flat = Flat(tensor)
@@ -116,7 +117,7 @@ def _broadcast(comm, tensor: torch.Tensor, src: int, algorithm: str) -> torch.Te
 
 
 def reduce(
-    comm,
+    comm: Communicator,
     tensor: torch.Tensor,
     dst: int = 0,
     op: str = "sum",
@@ -137,7 +138,7 @@ def reduce(
     return run_collective(comm, lambda: f"reduce(dst={dst}, op={op!r}, {_describe(tensor)})", body, async_op)
 
 
-def _reduce(comm, tensor: torch.Tensor, dst: int, op: str, algorithm: str) -> torch.Tensor:
+def _reduce(comm: Communicator, tensor: torch.Tensor, dst: int, op: str, algorithm: str) -> torch.Tensor:
     if comm.world_size == 1:
         return tensor
     flat = Flat(tensor)
@@ -154,7 +155,7 @@ def _reduce(comm, tensor: torch.Tensor, dst: int, op: str, algorithm: str) -> to
 
 
 def allreduce(
-    comm, tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto", async_op: bool = False
+    comm: Communicator, tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto", async_op: bool = False
 ) -> torch.Tensor | CollectiveWork:
     """Every rank's ``tensor`` becomes the combination (``op``) of all ranks' tensors, in place.
 
@@ -196,7 +197,7 @@ def allreduce(
     return run_collective(comm, name, body, async_op)
 
 
-def _allreduce(comm, tensor: torch.Tensor, op: str, algorithm: str, workspace) -> torch.Tensor:
+def _allreduce(comm: Communicator, tensor: torch.Tensor, op: str, algorithm: str, workspace) -> torch.Tensor:
     p = comm.world_size
     if p == 1:
         return tensor
@@ -231,7 +232,7 @@ def _allreduce(comm, tensor: torch.Tensor, op: str, algorithm: str, workspace) -
     return flat.commit()
 
 
-def choose_allreduce(comm, nbytes: int) -> str:
+def choose_allreduce(comm: Communicator, nbytes: int) -> str:
     """What ``algorithm="auto"`` runs for ``nbytes`` on this communicator."""
     if getattr(comm, "shared_workspace", None) is not None:
         return "shm"
@@ -239,7 +240,7 @@ def choose_allreduce(comm, nbytes: int) -> str:
 
 
 def allgather(
-    comm, tensor: torch.Tensor, algorithm: str = "auto", async_op: bool = False
+    comm: Communicator, tensor: torch.Tensor, algorithm: str = "auto", async_op: bool = False
 ) -> torch.Tensor | CollectiveWork:
     """Return a new tensor of shape (world_size, *tensor.shape) whose row r is rank r's tensor.
 
@@ -253,7 +254,7 @@ def allgather(
     return run_collective(comm, lambda: f"allgather({_describe(tensor)})", body, async_op)
 
 
-def _allgather(comm, tensor: torch.Tensor) -> torch.Tensor:
+def _allgather(comm: Communicator, tensor: torch.Tensor) -> torch.Tensor:
     p = comm.world_size
     out = torch.empty((p, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
     out[comm.rank].copy_(tensor)
@@ -267,7 +268,7 @@ def _allgather(comm, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def reduce_scatter(
-    comm, tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto", async_op: bool = False
+    comm: Communicator, tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto", async_op: bool = False
 ) -> torch.Tensor | CollectiveWork:
     """Return block ``rank`` (along dim 0) of the combination of every rank's tensor.
 
@@ -290,7 +291,7 @@ def reduce_scatter(
     return run_collective(comm, lambda: f"reduce_scatter(op={op!r}, {_describe(tensor)})", body, async_op)
 
 
-def _reduce_scatter(comm, tensor: torch.Tensor, op: str) -> torch.Tensor:
+def _reduce_scatter(comm: Communicator, tensor: torch.Tensor, op: str) -> torch.Tensor:
     p = comm.world_size
     rows = tensor.shape[0] // p
     work = tensor.detach().contiguous().clone().view(-1)
@@ -304,7 +305,7 @@ def _reduce_scatter(comm, tensor: torch.Tensor, op: str) -> torch.Tensor:
     return finish_(work[lo:hi].clone(), op, p).view(rows, *tensor.shape[1:])
 
 
-def barrier(comm) -> None:
+def barrier(comm: Communicator) -> None:
     """Return when every rank has called barrier (a dissemination barrier, ceil(log2 p) rounds).
 
     Like a blocking collective, it waits for this rank's pending async collectives first."""

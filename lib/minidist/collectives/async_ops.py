@@ -41,10 +41,11 @@ from __future__ import annotations
 
 import queue
 import threading
-import traceback
 from collections.abc import Callable
 
 import torch
+
+from ..comm import Communicator, Work
 
 #: how long ``comm.close()`` waits for queued collectives to finish before it gives up on them
 CLOSE_WAIT_S = 10.0
@@ -57,8 +58,8 @@ class CollectiveStreamError(RuntimeError):
     """A collective was not run because an earlier one on the same communicator failed."""
 
 
-class CollectiveWork:
-    """Handle of an asynchronous collective.
+class CollectiveWork(Work):
+    """Handle of an asynchronous collective (a ``comm.Work``: the same three methods).
 
     ``wait(timeout=None)`` blocks until the collective has run and returns its
     result (the in-place tensor, or the new tensor of allgather/reduce_scatter);
@@ -68,47 +69,13 @@ class CollectiveWork:
     how a trace learns when a collective really ended, not when someone waited.
     """
 
-    def __init__(self, description: str) -> None:
-        self.description = description
-        self._done = threading.Event()
-        self._result: torch.Tensor | None = None
-        self._error: BaseException | None = None
-        self._callbacks: list[Callable[[CollectiveWork], object]] = []
-        self._callback_lock = threading.Lock()
+    _timeout_hint = (
+        " (still queued or running on the communication thread: is every rank issuing the same collectives?)"
+    )
 
-    def _finish(self, result: torch.Tensor | None, error: BaseException | None) -> None:
-        self._result, self._error = result, error
-        with self._callback_lock:
-            self._done.set()
-            callbacks, self._callbacks = self._callbacks, []
-        for callback in callbacks:
-            try:
-                callback(self)
-            except Exception:  # a broken callback must not end the communication thread
-                traceback.print_exc()
-
-    def add_done_callback(self, callback: Callable[[CollectiveWork], object]) -> None:
-        """Call ``callback(self)`` when the collective has finished (see the class doc)."""
-        with self._callback_lock:
-            if not self._done.is_set():
-                self._callbacks.append(callback)
-                return
-        callback(self)
-
-    def is_completed(self) -> bool:
-        """True once the collective has finished (successfully or not)."""
-        return self._done.is_set()
-
-    def wait(self, timeout: float | None = None) -> torch.Tensor | None:
-        """Block until done; return the result or raise the collective's error."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(
-                f"{self.description} did not complete within {timeout} s (still queued or "
-                "running on the communication thread: is every rank issuing the same collectives?)"
-            )
-        if self._error is not None:
-            raise self._error
-        return self._result
+    def _finish(self, result: torch.Tensor | None, error: BaseException | None) -> None:  # type: ignore[override]
+        self.tensor = result
+        super()._finish(error)
 
     def __repr__(self) -> str:
         state = "done" if self.is_completed() else "pending"
@@ -118,7 +85,7 @@ class CollectiveWork:
 class CollectiveStream:
     """The communication thread of one communicator and its FIFO of collectives."""
 
-    def __init__(self, comm) -> None:
+    def __init__(self, comm: Communicator) -> None:
         self.rank = getattr(comm, "rank", "?")
         self.device = torch.device(getattr(comm, "device", "cpu"))
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
@@ -197,7 +164,7 @@ class CollectiveStream:
             thread.join(wait_s)
 
 
-def _owner(comm):
+def _owner(comm: Communicator):
     """The communicator that owns the channel: views of another communicator
     (``comm.without_shortcuts()``, ``EmulatedLinkComm``) name it ``inner``."""
     while getattr(comm, "inner", None) is not None:
@@ -205,7 +172,7 @@ def _owner(comm):
     return comm
 
 
-def stream_of(comm) -> CollectiveStream:
+def stream_of(comm: Communicator) -> CollectiveStream:
     """The stream of ``comm``'s channel, created on first use (its thread starts on first submit).
 
     A view shares the stream of the communicator it wraps: collectives issued on
@@ -220,7 +187,9 @@ def stream_of(comm) -> CollectiveStream:
     return stream
 
 
-def run_collective(comm, name: Callable[[], str], func: Callable[[], torch.Tensor | None], async_op: bool):
+def run_collective(
+    comm: Communicator, name: Callable[[], str], func: Callable[[], torch.Tensor | None], async_op: bool
+):
     """What every public collective does once its arguments are checked:
     ``async_op=True`` -> queue ``func`` and return a ``CollectiveWork``;
     otherwise run it (behind any pending async ones) and return its result.

@@ -27,10 +27,11 @@ from __future__ import annotations
 
 import torch
 
+from ..comm import Communicator
 from .ops import combine_
 
 
-def butterfly_allreduce_(comm, flat: torch.Tensor, op: str, tag: int = 0) -> None:
+def butterfly_allreduce_(comm: Communicator, flat: torch.Tensor, op: str, tag: int = 0) -> None:
     p, rank = comm.world_size, comm.rank
     q = 1 << (p.bit_length() - 1)  # largest power of two <= p
     extra = p - q

@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import torch
 
+from ..comm import Communicator
 from .ops import combine_
 
 
-def ring_reduce_scatter_(comm, flat: torch.Tensor, bounds, op: str, tag: int = 0) -> None:
+def ring_reduce_scatter_(comm: Communicator, flat: torch.Tensor, bounds, op: str, tag: int = 0) -> None:
     """In place on ``flat``: afterwards chunk ``rank`` (per ``bounds``) is reduced over all ranks."""
     p, r = comm.world_size, comm.rank
     right, left = (r + 1) % p, (r - 1) % p
@@ -45,7 +46,7 @@ def ring_reduce_scatter_(comm, flat: torch.Tensor, bounds, op: str, tag: int = 0
         work.wait()
 
 
-def ring_allgather_(comm, flat: torch.Tensor, bounds, tag: int = 0) -> None:
+def ring_allgather_(comm: Communicator, flat: torch.Tensor, bounds, tag: int = 0) -> None:
     """In place on ``flat``: rank r starts with chunk r, ends with every chunk."""
     p, r = comm.world_size, comm.rank
     right, left = (r + 1) % p, (r - 1) % p

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import torch
 
+from ..comm import Communicator
 from .ops import combine_
 
 
-def star_broadcast(comm, flat: torch.Tensor, root: int, tag: int = 0) -> None:
+def star_broadcast(comm: Communicator, flat: torch.Tensor, root: int, tag: int = 0) -> None:
     if comm.rank == root:
         works = [comm.isend(flat, peer, tag) for peer in range(comm.world_size) if peer != root]
         for work in works:
@@ -37,7 +38,7 @@ def star_broadcast(comm, flat: torch.Tensor, root: int, tag: int = 0) -> None:
         comm.recv(flat, root, tag)
 
 
-def tree_broadcast(comm, flat: torch.Tensor, root: int, tag: int = 0) -> None:
+def tree_broadcast(comm: Communicator, flat: torch.Tensor, root: int, tag: int = 0) -> None:
     p = comm.world_size
     vrank = (comm.rank - root) % p
     mask = 1
@@ -56,7 +57,7 @@ def tree_broadcast(comm, flat: torch.Tensor, root: int, tag: int = 0) -> None:
         work.wait()
 
 
-def star_reduce(comm, flat: torch.Tensor, root: int, op: str, tag: int = 0) -> torch.Tensor:
+def star_reduce(comm: Communicator, flat: torch.Tensor, root: int, op: str, tag: int = 0) -> torch.Tensor:
     """Returns the reduced vector on the root (``flat`` itself); others' ``flat`` is untouched."""
     if comm.rank != root:
         comm.send(flat, root, tag)
@@ -69,7 +70,7 @@ def star_reduce(comm, flat: torch.Tensor, root: int, op: str, tag: int = 0) -> t
     return flat
 
 
-def tree_reduce(comm, flat: torch.Tensor, root: int, op: str, tag: int = 0) -> torch.Tensor:
+def tree_reduce(comm: Communicator, flat: torch.Tensor, root: int, op: str, tag: int = 0) -> torch.Tensor:
     """Binomial-tree reduce; returns the result on the root. Non-roots send a partial sum."""
     p = comm.world_size
     vrank = (comm.rank - root) % p

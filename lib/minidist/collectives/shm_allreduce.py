@@ -50,6 +50,7 @@ import functools
 import numpy as np
 import torch
 
+from ..comm import Communicator
 from ..errors import MessageMismatch
 from ..transport.shm_workspace import HEADER_START, OP_INDEX, SharedWorkspace
 from ..wire import KIND_DATA, describe_header, encode_header
@@ -96,7 +97,9 @@ def _state(workspace: SharedWorkspace) -> _State:
     return state
 
 
-def _look_for_message_algorithms(comm, tensor: torch.Tensor, op: str, flags=None, epoch: int = 0) -> None:
+def _look_for_message_algorithms(
+    comm: Communicator, tensor: torch.Tensor, op: str, flags=None, epoch: int = 0
+) -> None:
     """Called while waiting at the barrier: is a peer running a point-to-point
     allreduce of the same tensor instead? Its first message to us would say so.
 
@@ -119,7 +122,7 @@ def _look_for_message_algorithms(comm, tensor: torch.Tensor, op: str, flags=None
             )
 
 
-def _barrier(comm, state: _State, tensor: torch.Tensor, op: str) -> None:
+def _barrier(comm: Communicator, state: _State, tensor: torch.Tensor, op: str) -> None:
     workspace = state.workspace
     workspace.epoch += 1
     epoch = workspace.epoch
@@ -130,7 +133,9 @@ def _barrier(comm, state: _State, tensor: torch.Tensor, op: str) -> None:
             comm.wait_at_least(flag, epoch, peer, "the shm allreduce barrier: waiting for", check)
 
 
-def _publish(comm, state: _State, b: int, tensor: torch.Tensor, op: str, signature: int) -> None:
+def _publish(
+    comm: Communicator, state: _State, b: int, tensor: torch.Tensor, op: str, signature: int
+) -> None:
     """Write this call's signature (and, when it changed, what it stands for) into the meta record."""
     workspace = state.workspace
     if state.written[b] != signature:
@@ -141,7 +146,7 @@ def _publish(comm, state: _State, b: int, tensor: torch.Tensor, op: str, signatu
     workspace.signature[b][comm.rank].value = signature
 
 
-def _check_agreement(comm, state: _State, b: int) -> None:
+def _check_agreement(comm: Communicator, state: _State, b: int) -> None:
     signatures = state.workspace.signature[b]
     mine = signatures[comm.rank].value
     for signature in signatures:
@@ -163,7 +168,9 @@ def _check_agreement(comm, state: _State, b: int) -> None:
     )
 
 
-def shm_allreduce(comm, workspace: SharedWorkspace, tensor: torch.Tensor, op: str, signature: int) -> None:
+def shm_allreduce(
+    comm: Communicator, workspace: SharedWorkspace, tensor: torch.Tensor, op: str, signature: int
+) -> None:
     """Allreduce ``tensor`` in place through ``workspace`` (arguments already validated by
     ``collectives.api``; ``signature`` is the call's checksum, compared across ranks)."""
     state = _state(workspace)
@@ -178,7 +185,9 @@ def shm_allreduce(comm, workspace: SharedWorkspace, tensor: torch.Tensor, op: st
         tensor.copy_(work)
 
 
-def _small_numpy_allreduce(comm, state: _State, tensor: torch.Tensor, op: str, signature: int) -> bool:
+def _small_numpy_allreduce(
+    comm: Communicator, state: _State, tensor: torch.Tensor, op: str, signature: int
+) -> bool:
     """The latency path for a small contiguous CPU tensor of a dtype numpy knows:
     numpy's ufuncs and ctypes' memmove cost a fraction of a microsecond where a
     torch call costs one or two. Returns False when it does not apply."""
@@ -219,7 +228,7 @@ def _small_numpy_allreduce(comm, state: _State, tensor: torch.Tensor, op: str, s
 
 
 def _workspace_allreduce(
-    comm, state: _State, tensor: torch.Tensor, flat: torch.Tensor, op: str, signature: int
+    comm: Communicator, state: _State, tensor: torch.Tensor, flat: torch.Tensor, op: str, signature: int
 ) -> None:
     """Allreduce ``flat`` (the contiguous flat view of ``tensor``) in place, with torch."""
     workspace = state.workspace
@@ -284,7 +293,7 @@ def _plan(state: _State, stage: int, rank: int, dtype, numel: int) -> _PiecePlan
 
 
 def _pipelined_allreduce(
-    comm, state: _State, tensor: torch.Tensor, flat: torch.Tensor, op: str, signature: int
+    comm: Communicator, state: _State, tensor: torch.Tensor, flat: torch.Tensor, op: str, signature: int
 ) -> None:
     """Allreduce a large ``flat`` in place, piece by piece, one barrier per piece.
 

@@ -30,6 +30,8 @@ from torch import nn
 from minidist.models.decoder import DecoderLM, next_token_loss  # noqa: F401  (the last stage's loss_fn)
 from minidist.models.transformer import attention_bias
 
+from ..comm import Communicator
+
 __all__ = ["DecoderStage", "split_decoder", "next_token_loss", "sync_tied_gradients"]
 
 _WORD = "transformer.embeddings.word.weight"
@@ -109,7 +111,7 @@ def split_decoder(model: DecoderLM, stages: int, chunks: int = 1) -> list:
     return [nn.ModuleList(virtual[c * stages + r] for c in range(chunks)) for r in range(stages)]
 
 
-def sync_tied_gradients(stage_modules, comm) -> None:
+def sync_tied_gradients(stage_modules, comm: Communicator) -> None:
     """Sum the gradients of the two copies of the tied table E (first and last stage); both get the sum.
 
     Call it on every rank after ``run_pipeline`` and before the optimizer step; ranks that

@@ -31,6 +31,8 @@ from minidist.models.decoder import IGNORE_INDEX, CausalLMOutput, DecoderLM, che
 from minidist.models.transformer import TransformerConfig
 from minidist.parallel import tensor as tp
 
+from ..comm import Communicator
+
 __all__ = ["TensorParallelDecoderLM", "check_tp_config"]
 
 
@@ -49,7 +51,7 @@ def check_tp_config(cfg: TransformerConfig, degree: int) -> None:
 
 
 class _Embeddings(nn.Module):
-    def __init__(self, cfg: TransformerConfig, comm) -> None:
+    def __init__(self, cfg: TransformerConfig, comm: Communicator) -> None:
         super().__init__()
         self.cfg = cfg
         self.word = tp.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm)
@@ -80,7 +82,7 @@ class _Embeddings(nn.Module):
 class _Block(nn.Module):
     """Pre-LN block: x + Attn(LN(x)), then x + MLP(LN(x)); 2 allreduces forward, 2 backward."""
 
-    def __init__(self, cfg: TransformerConfig, comm) -> None:
+    def __init__(self, cfg: TransformerConfig, comm: Communicator) -> None:
         super().__init__()
         dev = comm.device
         self.attention = tp.ParallelSelfAttention(cfg.hidden_size, cfg.n_heads, comm)
@@ -94,7 +96,7 @@ class _Block(nn.Module):
 
 
 class _Transformer(nn.Module):
-    def __init__(self, cfg: TransformerConfig, comm) -> None:
+    def __init__(self, cfg: TransformerConfig, comm: Communicator) -> None:
         super().__init__()
         self.embeddings = _Embeddings(cfg, comm)
         self.blocks = nn.ModuleList(_Block(cfg, comm) for _ in range(cfg.n_layers))
@@ -108,7 +110,7 @@ class TensorParallelDecoderLM(nn.Module):
     them. Build it from a dense model with ``from_dense`` so both start equal.
     """
 
-    def __init__(self, cfg: TransformerConfig, comm) -> None:
+    def __init__(self, cfg: TransformerConfig, comm: Communicator) -> None:
         super().__init__()
         if not cfg.causal or not cfg.pre_ln:
             raise ValueError(
@@ -125,7 +127,7 @@ class TensorParallelDecoderLM(nn.Module):
         self.transformer = _Transformer(cfg, comm)
 
     @classmethod
-    def from_dense(cls, dense: DecoderLM, comm) -> TensorParallelDecoderLM:
+    def from_dense(cls, dense: DecoderLM, comm: Communicator) -> TensorParallelDecoderLM:
         """A tensor-parallel copy of ``dense``: this rank's slices of the split weights, the rest copied."""
         model = cls(dense.cfg, comm)
         src, dst = dense.transformer, model.transformer

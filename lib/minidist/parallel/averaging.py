@@ -226,7 +226,7 @@ class RingAveraging:
     def __init__(self) -> None:
         self._hook = functools.partial(allreduce_average, algorithm="ring")
 
-    def __call__(self, comm, flat: torch.Tensor, bucket_index: int):
+    def __call__(self, comm: Communicator, flat: torch.Tensor, bucket_index: int):
         return self._hook(comm, flat, bucket_index)
 
     def close(self) -> None:

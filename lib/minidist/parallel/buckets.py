@@ -35,6 +35,7 @@ from torch import nn
 
 from ..collectives import allreduce, broadcast
 from ..collectives.async_ops import stream_of
+from ..comm import Communicator, DerivedWork, Handle
 
 MB = 1 << 20
 
@@ -120,7 +121,7 @@ def make_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_mb: float)
     return buckets
 
 
-def broadcast_module_state(comm, module: nn.Module, src: int = 0) -> int:
+def broadcast_module_state(comm: Communicator, module: nn.Module, src: int = 0) -> int:
     """Make every rank's parameters and buffers equal to rank ``src``'s, in ONE broadcast.
 
     All tensors are packed, as raw bytes, into one flat uint8 buffer (any mix of
@@ -145,7 +146,7 @@ def broadcast_module_state(comm, module: nn.Module, src: int = 0) -> int:
     return packed.numel()
 
 
-class AveragedWork:
+class AveragedWork(DerivedWork):
     """Handle of ``allreduce_average`` on the CPU: ``wait()`` returns the averaged buffer.
 
     The division by p is part of the collective (``op="avg"``): it runs on the
@@ -154,34 +155,23 @@ class AveragedWork:
     gradients (20 MiB for BERT mini: a few ms) would add to every step.
     """
 
-    def __init__(self, work, flat: torch.Tensor) -> None:
-        self.work, self.flat = work, flat
+    def __init__(self, work: Handle, flat: torch.Tensor) -> None:
+        super().__init__(work)
+        self.flat = flat
 
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-    def __getattr__(self, name: str):  # e.g. add_done_callback, where the inner handle has it
-        if name == "work":
-            raise AttributeError(name)
-        return getattr(self.work, name)
-
-    def wait(self, timeout: float | None = None) -> torch.Tensor:
-        self.work.wait(timeout)
+    def finish(self, _result: torch.Tensor | None) -> torch.Tensor:
         return self.flat
 
 
-class CudaAveragedWork:
+class CudaAveragedWork(DerivedWork):
     """Handle of ``allreduce_average`` on a GPU: ``wait()`` makes the caller's stream
     wait for the communication stream (no host synchronisation of the kernels)."""
 
-    def __init__(self, work, done: torch.cuda.Event, flat: torch.Tensor) -> None:
-        self.work, self.done, self.flat = work, done, flat
+    def __init__(self, work: Handle, done: torch.cuda.Event, flat: torch.Tensor) -> None:
+        super().__init__(work)
+        self.done, self.flat = done, flat
 
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-    def wait(self, timeout: float | None = None) -> torch.Tensor:
-        self.work.wait(timeout)
+    def finish(self, _result: torch.Tensor | None) -> torch.Tensor:
         torch.cuda.current_stream(self.flat.device).wait_event(self.done)
         return self.flat
 
@@ -189,7 +179,9 @@ class CudaAveragedWork:
 _COMM_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def allreduce_average(comm, flat_grad: torch.Tensor, bucket_index: int, algorithm: str = "auto"):
+def allreduce_average(
+    comm: Communicator, flat_grad: torch.Tensor, bucket_index: int, algorithm: str = "auto"
+):
     """The default DDP comm hook: the average of every rank's ``flat_grad``, in place.
 
     Starts ``allreduce(op="avg", async_op=True)`` (a sum whose division by the

@@ -59,9 +59,10 @@ import torch
 from torch import nn
 
 from ..collectives import allreduce
+from ..comm import Communicator, Handle, Waitable
 from .buckets import Bucket, allreduce_average, broadcast_module_state, make_buckets
 
-CommHook = Callable[[object, torch.Tensor, int], object]
+CommHook = Callable[[Communicator, torch.Tensor, int], Waitable]
 
 
 class DistributedDataParallel(nn.Module):
@@ -73,8 +74,9 @@ class DistributedDataParallel(nn.Module):
         bucket_mb: bucket size cap in MiB (0: one parameter per bucket; math.inf: one bucket).
         overlap: launch each bucket as soon as it is ready (else all after backward).
         find_unused_parameters: tolerate parameters that get no gradient (see module doc).
-        comm_hook: ``hook(comm, flat_grad, bucket_index) -> handle`` whose ``wait()``
-            returns the averaged flat gradient (default ``buckets.allreduce_average``).
+        comm_hook: ``hook(comm, flat_grad, bucket_index) -> Waitable`` whose ``wait()``
+            returns the averaged flat gradient (default ``buckets.allreduce_average``). When
+            it is a full ``comm.Handle`` a trace sees when the operation really ended.
         recorder: a ``minidist.trace.Recorder`` (or None): spans "forward",
             "backward" and "allreduce bucket k" (launch to completion).
 
@@ -86,7 +88,7 @@ class DistributedDataParallel(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        comm,
+        comm: Communicator,
         bucket_mb: float = 1.0,
         overlap: bool = True,
         find_unused_parameters: bool = False,
@@ -214,9 +216,14 @@ class DistributedDataParallel(nn.Module):
                     f"allreduce bucket {bucket.index}", cat="comm", bytes=bucket.nbytes
                 )
             bucket.work = self.comm_hook(self.comm, bucket.buffer, bucket.index)
+            if not isinstance(bucket.work, Waitable):
+                raise TypeError(
+                    f"comm_hook returned {type(bucket.work).__name__}, not a handle: return an object "
+                    "whose wait() gives the averaged flat gradient (e.g. a comm.DerivedWork)"
+                )
             bucket.launched = True
             self._next_launch += 1
-            if bucket.span is not None and hasattr(bucket.work, "add_done_callback"):
+            if bucket.span is not None and isinstance(bucket.work, Handle):
                 # ends the span in the thread that finished the work: the true completion time
                 bucket.work.add_done_callback(lambda _work, b=bucket: self._end_span(b))
 
@@ -227,12 +234,12 @@ class DistributedDataParallel(nn.Module):
             self.recorder.end(token)
 
     def _poll_finished(self) -> None:
-        """Close the span of every bucket whose work has finished (for handles without
-        ``add_done_callback``: then the end is seen at the next hook, a little late)."""
+        """Close the span of every bucket whose work has finished (for a ``Handle`` whose callback
+        has not run yet; a hook's ``Waitable`` that is no ``Handle`` is seen to end at its ``wait()``)."""
         if self.recorder is None:
             return
         for bucket in self._buckets[: self._next_launch]:
-            if bucket.span is not None and getattr(bucket.work, "is_completed", lambda: False)():
+            if bucket.span is not None and isinstance(bucket.work, Handle) and bucket.work.is_completed():
                 self._end_span(bucket)
 
     # --- backward: the end ---------------------------------------------------------

@@ -50,6 +50,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from ..comm import Communicator
+
 __all__ = [
     "ScheduleError",
     "gpipe",
@@ -402,7 +404,7 @@ class _Mailbox:
     the channel itself is first-in first-out.
     """
 
-    def __init__(self, comm, peer: int, dtype: torch.dtype) -> None:
+    def __init__(self, comm: Communicator, peer: int, dtype: torch.dtype) -> None:
         self.comm, self.peer, self.dtype = comm, peer, dtype
         self.kept: dict[tuple[int, int, int], torch.Tensor] = {}
 
@@ -432,7 +434,7 @@ def _split(batch, microbatches: int, what: str) -> list:
 
 def run_pipeline(
     stage_module: nn.Module | Sequence[nn.Module],
-    comm,
+    comm: Communicator,
     actions: Sequence[Sequence],
     inputs=None,
     targets=None,
@@ -579,7 +581,7 @@ class SleepStage(nn.Module):
         return _Sleep.apply(x * self.scale, self.t_forward, self.t_backward)
 
 
-def _bubble_worker(comm, schedule, t_forward: float, t_backward: float, chunks: int):
+def _bubble_worker(comm: Communicator, schedule, t_forward: float, t_backward: float, chunks: int):
     modules = [SleepStage(t_forward / chunks, t_backward / chunks) for _ in range(chunks)]
     m = 1 + max(a[1] for a in schedule[comm.rank])
     inputs = torch.zeros(m, 4) if comm.rank == 0 else None

@@ -193,7 +193,9 @@ def serve_deadline_aggregator(
     return report
 
 
-def _close_round(comm, workers, key, got: dict[int, torch.Tensor], report: AggregatorReport) -> list:
+def _close_round(
+    comm: Communicator, workers, key, got: dict[int, torch.Tensor], report: AggregatorReport
+) -> list:
     order = sorted(got)
     average = got[order[0]].clone()
     for i in order[1:]:

@@ -52,6 +52,8 @@ from torch import nn
 
 from minidist import collectives as _collectives
 
+from ..comm import Communicator
+
 __all__ = [
     "ColumnParallelLinear",
     "ParallelMLP",
@@ -79,14 +81,14 @@ def _zero_counts() -> dict:
     return {"forward": {"allreduce": 0, "allgather": 0}, "backward": {"allreduce": 0, "allgather": 0}}
 
 
-def _counts_of(comm) -> dict:
+def _counts_of(comm: Communicator) -> dict:
     counts = _COUNTS.get(comm)
     if counts is None:
         counts = _COUNTS[comm] = _zero_counts()
     return counts
 
 
-def count_collectives(comm) -> dict:
+def count_collectives(comm: Communicator) -> dict:
     """Collectives the layers of this module issued on ``comm`` since the last reset.
 
     ``{"forward": {"allreduce": n, "allgather": n}, "backward": {"allreduce": n, "allgather": n}}``
@@ -97,12 +99,12 @@ def count_collectives(comm) -> dict:
     return {phase: dict(ops) for phase, ops in counts.items()}
 
 
-def reset_collective_counts(comm) -> None:
+def reset_collective_counts(comm: Communicator) -> None:
     """Set the counts of ``comm`` back to zero."""
     _COUNTS[comm] = _zero_counts()
 
 
-def _allreduce(comm, tensor: torch.Tensor, phase: str, op: str = "sum") -> torch.Tensor:
+def _allreduce(comm: Communicator, tensor: torch.Tensor, phase: str, op: str = "sum") -> torch.Tensor:
     """Sum (or max) ``tensor`` over the ranks into a new tensor, counting the call."""
     out = tensor.clone()
     if comm.world_size > 1:
@@ -111,7 +113,7 @@ def _allreduce(comm, tensor: torch.Tensor, phase: str, op: str = "sum") -> torch
     return out
 
 
-def _gather_last_dim(comm, tensor: torch.Tensor, phase: str) -> torch.Tensor:
+def _gather_last_dim(comm: Communicator, tensor: torch.Tensor, phase: str) -> torch.Tensor:
     """Concatenate the ranks' tensors along the last dimension, counting the call."""
     if comm.world_size == 1:
         return tensor
@@ -120,7 +122,7 @@ def _gather_last_dim(comm, tensor: torch.Tensor, phase: str) -> torch.Tensor:
     return torch.cat(list(gathered.unbind(0)), dim=-1)
 
 
-def _my_slice_last_dim(comm, tensor: torch.Tensor) -> torch.Tensor:
+def _my_slice_last_dim(comm: Communicator, tensor: torch.Tensor) -> torch.Tensor:
     size = tensor.shape[-1]
     if size % comm.world_size:
         raise ValueError(
@@ -135,7 +137,7 @@ class _CopyToTensorParallel(torch.autograd.Function):
     """f: identity forward, allreduce (sum) of the gradient backward."""
 
     @staticmethod
-    def forward(ctx, x, comm):
+    def forward(ctx, x, comm: Communicator):
         ctx.comm = comm
         return x.view_as(x)
 
@@ -148,7 +150,7 @@ class _ReduceFromTensorParallel(torch.autograd.Function):
     """g: allreduce (sum) forward, identity backward."""
 
     @staticmethod
-    def forward(ctx, x, comm):
+    def forward(ctx, x, comm: Communicator):
         return _allreduce(comm, x, "forward")
 
     @staticmethod
@@ -160,7 +162,7 @@ class _GatherFromTensorParallel(torch.autograd.Function):
     """Allgather along the last dimension forward; backward keeps this rank's slice of the gradient."""
 
     @staticmethod
-    def forward(ctx, x, comm):
+    def forward(ctx, x, comm: Communicator):
         ctx.comm = comm
         return _gather_last_dim(comm, x, "forward")
 
@@ -173,7 +175,7 @@ class _ScatterToTensorParallel(torch.autograd.Function):
     """Keep this rank's slice of the last dimension forward; backward allgathers the gradient."""
 
     @staticmethod
-    def forward(ctx, x, comm):
+    def forward(ctx, x, comm: Communicator):
         ctx.comm = comm
         return _my_slice_last_dim(comm, x)
 
@@ -182,28 +184,28 @@ class _ScatterToTensorParallel(torch.autograd.Function):
         return _gather_last_dim(ctx.comm, grad, "backward"), None
 
 
-def copy_to_tensor_parallel(x: torch.Tensor, comm) -> torch.Tensor:
+def copy_to_tensor_parallel(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """f: identity forward, allreduce backward (where a replicated input enters split layers)."""
     return _CopyToTensorParallel.apply(x, comm)
 
 
-def reduce_from_tensor_parallel(x: torch.Tensor, comm) -> torch.Tensor:
+def reduce_from_tensor_parallel(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """g: allreduce forward, identity backward (where the ranks' partial sums are added up)."""
     return _ReduceFromTensorParallel.apply(x, comm)
 
 
-def gather_from_tensor_parallel(x: torch.Tensor, comm) -> torch.Tensor:
+def gather_from_tensor_parallel(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """Allgather on the last dimension forward (rank order), split backward."""
     return _GatherFromTensorParallel.apply(x, comm)
 
 
-def scatter_to_tensor_parallel(x: torch.Tensor, comm) -> torch.Tensor:
+def scatter_to_tensor_parallel(x: torch.Tensor, comm: Communicator) -> torch.Tensor:
     """This rank's 1/p of the last dimension forward, allgather backward."""
     return _ScatterToTensorParallel.apply(x, comm)
 
 
 # --- layers -------------------------------------------------------------------------------------
-def check_divisible(size: int, what: str, comm, hint: str = "") -> int:
+def check_divisible(size: int, what: str, comm: Communicator, hint: str = "") -> int:
     """``size // comm.world_size``, or a ValueError naming both numbers."""
     p = comm.world_size
     if size % p:
@@ -214,7 +216,7 @@ def check_divisible(size: int, what: str, comm, hint: str = "") -> int:
     return size // p
 
 
-def _copy_shard(param: nn.Parameter, dense: torch.Tensor, dim: int, comm, name: str) -> None:
+def _copy_shard(param: nn.Parameter, dense: torch.Tensor, dim: int, comm: Communicator, name: str) -> None:
     part = param.shape[dim]
     expected = list(param.shape)
     expected[dim] = part * comm.world_size
@@ -233,7 +235,7 @@ class ColumnParallelLinear(nn.Module):
     applied it once already to an input shared by several layers (attention's Q, K, V).
     """
 
-    def __init__(self, d_in, d_out, comm, bias=True, gather_output=False, copy_input=True):
+    def __init__(self, d_in, d_out, comm: Communicator, bias=True, gather_output=False, copy_input=True):
         super().__init__()
         self.comm, self.d_in, self.d_out = comm, d_in, d_out
         self.gather_output, self.copy_input = gather_output, copy_input
@@ -271,7 +273,7 @@ class RowParallelLinear(nn.Module):
     once (adding it before g would count it p times).
     """
 
-    def __init__(self, d_in, d_out, comm, bias=True, input_is_parallel=True):
+    def __init__(self, d_in, d_out, comm: Communicator, bias=True, input_is_parallel=True):
         super().__init__()
         self.comm, self.d_in, self.d_out = comm, d_in, d_out
         self.input_is_parallel = input_is_parallel
@@ -308,7 +310,7 @@ class ParallelMLP(nn.Module):
     Parameters ``up.weight/bias``, ``down.weight/bias`` as in ``transformer.MLP``.
     """
 
-    def __init__(self, d: int, ffn: int, comm) -> None:
+    def __init__(self, d: int, ffn: int, comm: Communicator) -> None:
         super().__init__()
         check_divisible(ffn, "ffn (intermediate size)", comm)
         self.up = ColumnParallelLinear(d, ffn, comm)
@@ -336,7 +338,7 @@ class ParallelSelfAttention(nn.Module):
     a head dimension of H (ALiBi) is cut to this rank's heads.
     """
 
-    def __init__(self, d: int, n_heads: int, comm) -> None:
+    def __init__(self, d: int, n_heads: int, comm: Communicator) -> None:
         super().__init__()
         if d % n_heads:
             raise ValueError(f"hidden size {d} is not divisible by n_heads {n_heads}")
@@ -394,7 +396,7 @@ class VocabParallelEmbedding(nn.Module):
     none backward (each rank's rows get the gradient of the ids they own).
     """
 
-    def __init__(self, vocab: int, d: int, comm) -> None:
+    def __init__(self, vocab: int, d: int, comm: Communicator) -> None:
         super().__init__()
         self.comm, self.vocab, self.d = comm, vocab, d
         local = check_divisible(
@@ -419,7 +421,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of logits split along the vocabulary; see ``vocab_parallel_cross_entropy``."""
 
     @staticmethod
-    def forward(ctx, logits, labels, comm, ignore_index):
+    def forward(ctx, logits, labels, comm: Communicator, ignore_index):
         local_vocab = logits.shape[-1]
         ctx.dtype = logits.dtype
         start = comm.rank * local_vocab
@@ -454,7 +456,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
 
 def vocab_parallel_cross_entropy(
-    local_logits: torch.Tensor, labels: torch.Tensor, comm, ignore_index: int = IGNORE_INDEX
+    local_logits: torch.Tensor, labels: torch.Tensor, comm: Communicator, ignore_index: int = IGNORE_INDEX
 ) -> torch.Tensor:
     """Mean cross-entropy over the labels that are not ``ignore_index``, from vocabulary-split logits.
 

@@ -74,6 +74,7 @@ import torch
 from torch import nn
 
 from ..collectives import allgather, broadcast, reduce_scatter
+from ..comm import Communicator
 
 __all__ = ["FullyShardedModule", "ZeroOptimizer", "default_units", "memory_formula", "traffic_formula"]
 
@@ -114,7 +115,7 @@ def _padded(n: int, world: int) -> int:
     return -(-n // world) * world
 
 
-def _check_same_shapes(comm, params: list[torch.Tensor], what: str) -> None:
+def _check_same_shapes(comm: Communicator, params: list[torch.Tensor], what: str) -> None:
     """Once at construction: every rank must shard the same list of shapes (else shards would not line up)."""
     signature = repr([tuple(p.shape) for p in params])
     mine = torch.tensor([len(params), sum(p.numel() for p in params), zlib.crc32(signature.encode())])
@@ -151,7 +152,9 @@ class ZeroOptimizer:
     Rank 0's parameters are broadcast at construction so every rank starts equal.
     """
 
-    def __init__(self, params, comm, stage: int = 1, optimizer=torch.optim.AdamW, **kwargs) -> None:
+    def __init__(
+        self, params, comm: Communicator, stage: int = 1, optimizer=torch.optim.AdamW, **kwargs
+    ) -> None:
         _check_stage(stage, (1, 2))
         self.comm, self.stage = comm, stage
         self.params = _distinct(params)
@@ -272,7 +275,9 @@ class _Unit:
     """One flat-sharded group of parameters: the shard (an ``nn.Parameter``) and a full buffer
     whose storage exists only while gathered."""
 
-    def __init__(self, name: str, params: list[nn.Parameter], comm, owner: FullyShardedModule) -> None:
+    def __init__(
+        self, name: str, params: list[nn.Parameter], comm: Communicator, owner: FullyShardedModule
+    ) -> None:
         self.name, self.params, self.comm, self.owner = name, params, comm, owner
         world, rank = comm.world_size, comm.rank
         self.numel = sum(p.numel() for p in params)
@@ -356,7 +361,9 @@ class FullyShardedModule(nn.Module):
     of (non-root) units whose full weights were materialised at the same time.
     """
 
-    def __init__(self, module: nn.Module, comm, units=None, prefetch: bool = True, shared=None) -> None:
+    def __init__(
+        self, module: nn.Module, comm: Communicator, units=None, prefetch: bool = True, shared=None
+    ) -> None:
         super().__init__()
         object.__setattr__(self, "module", module)  # not a sub-module: parameters() are the shards
         self.comm, self.prefetch = comm, prefetch

@@ -43,7 +43,7 @@ from .common import Clock, TrainResult, batch_slices, epochs, split, total_bytes
 VARIANTS = ("dense", "sparse")
 
 
-def _dense_step(comm, table, gradsq, rows, grads, lr):
+def _dense_step(comm: Communicator, table, gradsq, rows, grads, lr):
     delta = torch.zeros((2, *table.shape))  # [change of table, change of G]
     step = grads / gradsq.index_select(0, rows).sqrt_()
     delta[0].index_add_(0, rows, step.mul_(-lr))  # scaled first, as in adagrad_update
@@ -53,7 +53,7 @@ def _dense_step(comm, table, gradsq, rows, grads, lr):
     gradsq += delta[1]
 
 
-def _sparse_step(comm, table, gradsq, rows, grads, lr, part_size):
+def _sparse_step(comm: Communicator, table, gradsq, rows, grads, lr, part_size):
     # Pad every part to the same size (allgather needs equal shapes); padding rows
     # carry zero gradients, which change nothing.
     padded_rows = torch.zeros(2 * part_size, dtype=torch.int64)

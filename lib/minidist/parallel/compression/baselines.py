@@ -26,29 +26,25 @@ from dataclasses import dataclass, field
 import torch
 
 from ...collectives import allgather, allreduce
+from ...comm import Communicator, DerivedWork, Handle
 
 _BIT_WEIGHTS = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8)
 
 
-class CastBackWork:
+class CastBackWork(DerivedWork):
     """Handle of ``bf16_allreduce``: ``wait()`` copies the bf16 sum into the float bucket, / N."""
 
-    def __init__(self, work, low: torch.Tensor, flat: torch.Tensor, world_size: int) -> None:
-        self.work, self.low, self.flat, self.world_size = work, low, flat, world_size
-        self._done = False
+    def __init__(self, work: Handle, low: torch.Tensor, flat: torch.Tensor, world_size: int) -> None:
+        super().__init__(work)
+        self.low, self.flat, self.world_size = low, flat, world_size
 
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-    def wait(self, timeout: float | None = None) -> torch.Tensor:
-        self.work.wait(timeout)
-        if not self._done:
-            self.flat.copy_(self.low).div_(self.world_size)
-            self._done = True
-        return self.flat
+    def finish(self, _result: torch.Tensor | None) -> torch.Tensor:
+        return self.flat.copy_(self.low).div_(self.world_size)
 
 
-def bf16_allreduce(comm, flat_grad: torch.Tensor, bucket_index: int, algorithm: str = "auto") -> CastBackWork:
+def bf16_allreduce(
+    comm: Communicator, flat_grad: torch.Tensor, bucket_index: int, algorithm: str = "auto"
+) -> CastBackWork:
     """DDP comm hook: the average of every rank's ``flat_grad`` with the sum done in bfloat16.
     Bytes on the wire: half of the float32 allreduce (ring: 2(N-1)/N * n * 2)."""
     low = flat_grad.to(torch.bfloat16)
@@ -89,20 +85,15 @@ def sign_decompress_sum(gathered: torch.Tensor, numel: int) -> torch.Tensor:
     return total
 
 
-class SignWork:
+class SignWork(DerivedWork):
     """Handle of a sign-compressed bucket: ``wait()`` = sum of scale_r * sign_r / N."""
 
-    def __init__(self, work, numel: int, world_size: int) -> None:
-        self.work, self.numel, self.world_size = work, numel, world_size
-        self._result: torch.Tensor | None = None
+    def __init__(self, work: Handle, numel: int, world_size: int) -> None:
+        super().__init__(work)
+        self.numel, self.world_size = numel, world_size
 
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-    def wait(self, timeout: float | None = None) -> torch.Tensor:
-        if self._result is None:
-            self._result = sign_decompress_sum(self.work.wait(timeout), self.numel).div_(self.world_size)
-        return self._result
+    def finish(self, gathered: torch.Tensor) -> torch.Tensor:
+        return sign_decompress_sum(gathered, self.numel).div_(self.world_size)
 
 
 @dataclass(eq=False)
@@ -111,7 +102,7 @@ class SignErrorFeedback:
 
     errors: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    def __call__(self, comm, flat_grad: torch.Tensor, bucket_index: int) -> SignWork:
+    def __call__(self, comm: Communicator, flat_grad: torch.Tensor, bucket_index: int) -> SignWork:
         if flat_grad.dtype != torch.float32:
             raise TypeError(f"SignErrorFeedback expects float32 gradients, got {flat_grad.dtype}")
         error = self.errors.get(bucket_index)

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...collectives import allgather
+from ...comm import Communicator, DerivedWork, Handle
 
 WARMUP_SPARSITIES = (0.75, 0.9375, 0.984375, 0.996)  # then the final sparsity (0.999)
 
@@ -256,22 +257,16 @@ def sum_sparse(gathered: torch.Tensor, numel: int, out: torch.Tensor | None = No
     return dense
 
 
-class SparseAllgatherWork:
+class SparseAllgatherWork(DerivedWork):
     """Handle of a DGC bucket in flight: ``wait()`` = sum of the gathered sparse vectors / N,
     written into ``out`` (the bucket: its gradient is already in the DGC state)."""
 
-    def __init__(self, work, out: torch.Tensor, world_size: int) -> None:
-        self.work, self.out, self.world_size = work, out, world_size
-        self._result: torch.Tensor | None = None
+    def __init__(self, work: Handle, out: torch.Tensor, world_size: int) -> None:
+        super().__init__(work)
+        self.out, self.world_size = out, world_size
 
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-    def wait(self, timeout: float | None = None) -> torch.Tensor:
-        if self._result is None:
-            gathered = self.work.wait(timeout)
-            self._result = sum_sparse(gathered, self.out.numel(), self.out).div_(self.world_size)
-        return self._result
+    def finish(self, gathered: torch.Tensor) -> torch.Tensor:
+        return sum_sparse(gathered, self.out.numel(), self.out).div_(self.world_size)
 
 
 @dataclass(eq=False)
@@ -299,7 +294,7 @@ class DeepGradientCompression:
     selected: dict[int, int] = field(default_factory=dict)
     generator: torch.Generator | None = None
 
-    def __call__(self, comm, flat_grad: torch.Tensor, bucket_index: int) -> SparseAllgatherWork:
+    def __call__(self, comm: Communicator, flat_grad: torch.Tensor, bucket_index: int) -> SparseAllgatherWork:
         if self.generator is None:  # rank-specific, so ranks sample different entries
             self.generator = torch.Generator(device=flat_grad.device)
             self.generator.manual_seed(self.config.seed * 1000 + comm.rank)
