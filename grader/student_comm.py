@@ -132,6 +132,11 @@ class StudentComm:
     ``StudentComm(comm)`` forwards every call to ``comm`` unchanged (same errors, same
     semantics) and counts a message when it is sent or posted: ``send``/``isend`` add the
     tensor's bytes to ``sent_*[dst]``, ``recv``/``irecv`` to ``received_*[src]``.
+
+    It implements the whole ``minidist.comm.Communicator`` interface but is deliberately not a
+    ``minidist.comm.CommView``: a view exposes the communicator it wraps as ``inner``, and a
+    student who reached it could send without being counted (the wrapped one is ``_comm``,
+    which ``forbidden.WRAPPER_PRIVATE`` refuses in a submission).
     """
 
     def __init__(self, comm, record: bool = False) -> None:
@@ -140,6 +145,7 @@ class StudentComm:
         self.local_rank: int = comm.local_rank
         self.device: torch.device = comm.device
         self.timeout: float | None = comm.timeout
+        self.name: str = comm.name
         self._comm = comm
         self._traffic = Traffic.zeros(comm.world_size)
         self._transcript = Transcript() if record else None
@@ -189,6 +195,21 @@ class StudentComm:
     def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
         self._comm.barrier()
+
+    @property
+    def shared_workspace(self) -> None:
+        """None: no shortcut past point-to-point messages (they would not be counted)."""
+        return None
+
+    def without_shortcuts(self) -> StudentComm:
+        return self  # it has none
+
+    def reset_stats(self) -> None:
+        """Counters are the grader's: a submission cannot reset them."""
+        raise RuntimeError("the grader's communicator counts every message: its counters cannot be reset")
+
+    def close(self) -> None:
+        """Nothing to release: the wrapped communicator belongs to the grader."""
 
     @property
     def stats(self):

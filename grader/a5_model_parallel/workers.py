@@ -19,7 +19,7 @@ What a rank reports besides the values, measured by the grader's code:
   whose forward ran and whose backward did not (the activations held), and log the forwards and
   backwards in the order they ran, each backward with the forward it undid -- counters kept in a
   closure, out of the student's reach; ``run_stage`` gets a ``StudentComm`` (point-to-point
-  only, no ``reset_stats``) that counts messages and bytes per peer and keeps a copy of every
+  only, its ``reset_stats`` raises) that counts messages and bytes per peer and keeps a copy of every
   tensor sent (``Recording``), compared with the activations and input gradients of the
   one-process model.
 """

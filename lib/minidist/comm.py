@@ -70,6 +70,7 @@ class Communicator(Protocol):
     world_size: int
     local_rank: int
     device: torch.device
+    name: str  # the transport ("pipe", "shm", "torch", ...): which cost model applies
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int = 0) -> None:
         """Send ``tensor`` to rank ``dst``; returns when ``tensor`` may be modified."""

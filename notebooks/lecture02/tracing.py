@@ -7,17 +7,17 @@ import torch
 import minidist as md
 
 
-class TracingComm:
+class TracingComm(md.CommView):
     """Wraps a communicator: logs each send and receive, then lets the real one do it.
 
-    The collectives only use rank, world_size, send, recv, isend and irecv. This class
-    has no `shared_workspace`, so even algorithm="auto" could not take the shared-memory
-    shortcut of md.allreduce; a named point-to-point algorithm always runs as asked.
+    A view (md.CommView): every call it does not override goes to the communicator it
+    wraps, `self.inner`. A view has no `shared_workspace`, so even algorithm="auto" could
+    not take the shared-memory shortcut of md.allreduce; a named point-to-point algorithm
+    always runs as asked.
     """
 
     def __init__(self, comm):
-        self.comm = comm
-        self.rank, self.world_size, self.name = comm.rank, comm.world_size, comm.name
+        super().__init__(comm)
         # in program order: (kind, peer, bytes, first element); kind is "send" or "recv"
         self.events = []
 
@@ -26,19 +26,19 @@ class TracingComm:
 
     def send(self, tensor, dst, tag=0):
         self._log("send", tensor, dst)
-        self.comm.send(tensor, dst, tag)
+        self.inner.send(tensor, dst, tag)
 
     def isend(self, tensor, dst, tag=0):
         self._log("send", tensor, dst)
-        return self.comm.isend(tensor, dst, tag)
+        return self.inner.isend(tensor, dst, tag)
 
     def recv(self, tensor, src, tag=0):
         self._log("recv", tensor, src)
-        return self.comm.recv(tensor, src, tag)
+        return self.inner.recv(tensor, src, tag)
 
     def irecv(self, tensor, src, tag=0):
         self._log("recv", tensor, src)
-        return self.comm.irecv(tensor, src, tag)
+        return self.inner.irecv(tensor, src, tag)
 
 
 def trace_allreduce(comm, algorithm, numel):

@@ -68,11 +68,10 @@ from grader import guard
 from grader.a3_ddp import rules
 
 
-class OneRank:  # enough of a communicator for a 1-rank allreduce, which sends nothing
-    rank, world_size, name = 0, 1, "pipe"
+def OneRank():  # enough of a communicator for a 1-rank allreduce, which sends nothing
+    from minidist.transport.base import BaseComm
 
-    def send(self, *args):
-        raise AssertionError("a 1-rank allreduce sends nothing")
+    return BaseComm(rank=0, world_size=1)
 
 
 guard.install_rules(rules)

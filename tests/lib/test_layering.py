@@ -19,7 +19,10 @@ LIB = Path(minidist.__file__).resolve().parent
 
 #: (layer, the first parts of module names after ``minidist.``), lowest first
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundations", ("errors", "comm", "wire", "trace", "optim", "quant", "measure", "_output", "_proc", "_stacks")),
+    (
+        "foundations",
+        ("errors", "comm", "wire", "trace", "optim", "quant", "measure", "_output", "_proc", "_stacks"),
+    ),
     ("transport", ("transport",)),
     ("collectives", ("collectives",)),
     ("launch", ("launch", "_torchrun")),

@@ -89,7 +89,7 @@ LOST = {
     # at intake (the keyword); the guard refuses relative names of guarded files at run time too
     "dirfd_read": ("forbidden", _ALL),
     # the counters reset and the traffic padded with zeros of the right size (the red team used
-    # it to hide a run without communication): no reset_stats on the grader's communicator, and
+    # it to hide a run without communication): reset_stats raises on the grader's communicator, and
     # every tensor sent is compared with the activation / gradient of its microbatch
     "padded_traffic": ("ok", _RUN_STAGE),
 }

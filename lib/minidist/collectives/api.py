@@ -47,8 +47,11 @@ ROOTED_ALGORITHMS = ("auto", "star", "tree")
 def _check(comm: Communicator, tensor, name: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} expects a torch.Tensor, got {type(tensor).__name__}")
-    if not hasattr(comm, "world_size") or not hasattr(comm, "send"):
-        raise TypeError(f"{name}(comm, tensor, ...): the first argument must be the communicator")
+    if not isinstance(comm, Communicator):
+        raise TypeError(
+            f"{name}(comm, tensor, ...): the first argument must be the communicator (a "
+            f"minidist.comm.Communicator), got {type(comm).__name__}"
+        )
 
 
 def _check_root(comm: Communicator, root: int, what: str) -> None:
@@ -184,7 +187,7 @@ def allreduce(
     check_op(op, tensor)
     if algorithm not in ALLREDUCE_ALGORITHMS:
         raise ValueError(f"unknown allreduce algorithm {algorithm!r}; choose one of {ALLREDUCE_ALGORITHMS}")
-    workspace = getattr(comm, "shared_workspace", None)  # duck-typed communicators may lack it
+    workspace = comm.shared_workspace
     if algorithm == "auto":
         algorithm = choose_allreduce(comm, tensor.nbytes)
     elif algorithm == "shm" and workspace is None:
@@ -234,7 +237,7 @@ def _allreduce(comm: Communicator, tensor: torch.Tensor, op: str, algorithm: str
 
 def choose_allreduce(comm: Communicator, nbytes: int) -> str:
     """What ``algorithm="auto"`` runs for ``nbytes`` on this communicator."""
-    if getattr(comm, "shared_workspace", None) is not None:
+    if comm.shared_workspace is not None:
         return "shm"
     return cost_model.fastest_allreduce(comm.world_size, nbytes, cost_model.DEFAULTS.get(comm.name))
 

@@ -45,7 +45,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..comm import Communicator, Work
+from ..comm import Communicator, CommView, Work
 
 #: how long ``comm.close()`` waits for queued collectives to finish before it gives up on them
 CLOSE_WAIT_S = 10.0
@@ -86,8 +86,8 @@ class CollectiveStream:
     """The communication thread of one communicator and its FIFO of collectives."""
 
     def __init__(self, comm: Communicator) -> None:
-        self.rank = getattr(comm, "rank", "?")
-        self.device = torch.device(getattr(comm, "device", "cpu"))
+        self.rank = comm.rank
+        self.device = torch.device(comm.device)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self.pending = 0  # submitted, not finished
@@ -165,9 +165,9 @@ class CollectiveStream:
 
 
 def _owner(comm: Communicator):
-    """The communicator that owns the channel: views of another communicator
-    (``comm.without_shortcuts()``, ``EmulatedLinkComm``) name it ``inner``."""
-    while getattr(comm, "inner", None) is not None:
+    """The communicator that owns the channel: a view (``comm.CommView``: ``without_shortcuts()``,
+    ``SubComm``, ``EmulatedLinkComm``) uses the channel of the communicator it wraps, ``inner``."""
+    while isinstance(comm, CommView):
         comm = comm.inner
     return comm
 

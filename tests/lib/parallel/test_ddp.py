@@ -15,6 +15,7 @@ import torch
 import ddp_workers as w
 import minidist as md
 from minidist import trace
+from minidist.transport.base import BaseComm
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,15 +26,10 @@ def assert_states_close(got: dict, want: dict, atol: float = 1e-6) -> None:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=atol, msg=lambda m: f"{name}: {m}")
 
 
-class SoloComm:
-    """A one-rank communicator for in-process tests (collectives return at once for p = 1)."""
-
-    rank, world_size, local_rank, device, name = 0, 1, 0, torch.device("cpu"), "solo"
-
-    def send(self, *args):
-        raise AssertionError("a one-rank run sends nothing")
-
-    recv = send
+def SoloComm() -> BaseComm:
+    """A one-rank communicator for in-process tests: the transports' base class, which has
+    no way to move bytes (collectives return at once for p = 1; a send would raise)."""
+    return BaseComm(rank=0, world_size=1)
 
 
 # --- equal to one process --------------------------------------------------------------------

@@ -25,6 +25,7 @@ import tp_workers as w
 from minidist.models import decoder, transformer
 from minidist.models.tp_decoder import TensorParallelDecoderLM, check_tp_config
 from minidist.parallel import tensor as tp
+from minidist.transport.base import BaseComm
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -229,16 +230,10 @@ def test_decoder_collective_counts(run, decoder_cases):
 
 
 # --- in-process: operators at p = 1 and sizes that do not divide --------------------------------
-class FakeComm:
-    """Enough of a communicator to build layers (construction sends nothing)."""
-
-    def __init__(self, world_size: int, rank: int = 0) -> None:
-        self.world_size, self.rank, self.device = world_size, rank, torch.device("cpu")
-
-    def send(self, *args):
-        raise AssertionError("building a layer must not communicate")
-
-    recv = send
+def FakeComm(world_size: int, rank: int = 0) -> BaseComm:
+    """Enough of a communicator to build layers: the transports' base class, which has no way
+    to move bytes (construction sends nothing; a send would raise NotImplementedError)."""
+    return BaseComm(rank=rank, world_size=world_size)
 
 
 def test_operators_are_identities_on_one_rank():
