@@ -31,9 +31,12 @@ def tracked_files(root: Path) -> list[str]:
 
 
 def student_readme(text: str) -> str:
-    """The README without the instructors' paragraphs (they show the solution markers)."""
-    start, end = text.find("**Instructors.**"), text.find("## The library in one screen")
-    return text[:start] + text[end:] if 0 <= start < end else text
+    """The README without its "Instructors" section (it points at ``grader/``, which students lack)."""
+    start = text.find("\n## Instructors\n")
+    if start < 0:
+        return text
+    end = text.find("\n## ", start + 1)
+    return text[:start] + (text[end:] if end >= 0 else "\n")
 
 
 def student_makefile(text: str) -> str:

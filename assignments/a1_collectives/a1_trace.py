@@ -36,13 +36,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MAX_ENCODED_RANKS = 8  # 2**rank must stay below 256
 
 
-class TracingComm:
+class TracingComm(md.CommView):
     """Wraps a communicator; records every send/isend of this rank as
-    ``(dst, nbytes, first value, last value)`` (the values are None for an empty message)."""
+    ``(dst, nbytes, first value, last value)`` (the values are None for an empty message).
+    A view (``md.CommView``): every call it does not override goes to ``self.inner``."""
 
     def __init__(self, comm) -> None:
-        self._comm = comm
-        self.rank, self.world_size = comm.rank, comm.world_size
+        super().__init__(comm)
         self.sent: list[tuple[int, int, float | None, float | None]] = []
 
     def _record(self, tensor: torch.Tensor, dst: int) -> None:
@@ -52,20 +52,11 @@ class TracingComm:
 
     def send(self, tensor, dst, tag=0):
         self._record(tensor, dst)
-        return self._comm.send(tensor, dst, tag)
+        return self.inner.send(tensor, dst, tag)
 
     def isend(self, tensor, dst, tag=0):
         self._record(tensor, dst)
-        return self._comm.isend(tensor, dst, tag)
-
-    def recv(self, tensor, src, tag=0):
-        return self._comm.recv(tensor, src, tag)
-
-    def irecv(self, tensor, src, tag=0):
-        return self._comm.irecv(tensor, src, tag)
-
-    def __getattr__(self, name):  # stats, barrier, device, ...: those of the real communicator
-        return getattr(self._comm, name)
+        return self.inner.isend(tensor, dst, tag)
 
 
 def star_allreduce(comm, tensor: torch.Tensor) -> None:

@@ -61,6 +61,8 @@ def test_cpu_machine_has_the_cpu_build_of_torch():
 def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     assert "make lab" in readme and "make test" in readme
+    testing = re.search(r"^## Testing\n(.*?)(?=^## |\Z)", readme, re.M | re.S)
+    assert testing and "`make test`" in testing.group(1), "the README's Testing section must say `make test`"
     ci = (ROOT / ".ci" / "run").read_text()
     assert re.search(r"^make test$", ci, re.M)
 
