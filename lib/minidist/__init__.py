@@ -12,10 +12,27 @@
 
     outs = md.launch(worker, world_size=2, args=(2.0,), transport="shm")
 
-Layers (each uses only the ones above it): ``launch`` -> transports
-(``pipe``, ``shm``, ``torch``) -> collectives -> training patterns (``minidist.parallel``,
-``md.DistributedDataParallel``)
--> models and data (``minidist.glove``) -> tools (``minidist.bench``).
+Layers. A module imports only modules of its own layer and of the layers above it in this
+table (``tests/lib/test_layering.py`` reads the table from here and checks every import of
+every module; a module whose first name is in no row fails it). This table is the only place
+the layers are written down::
+
+    layer        modules (the first part of the name after ``minidist.``)
+    foundations  errors comm wire trace optim quant measure _output _proc _stacks
+    transport    transport
+    collectives  collectives
+    launch       launch _torchrun
+    parallel     parallel
+    data         data
+    models       models glove
+    tools        memory serve bench
+
+Foundations declare the types (``comm.Communicator``, ``comm.Handle``) and pure tensor math;
+transports move bytes between ranks; collectives are written against the communicator only;
+``launch`` starts the ranks; ``parallel`` holds the training patterns (DDP, ZeRO, tensor and
+pipeline parallel, parameter servers); models and data are their users, not their home; tools
+measure, serve and benchmark. ``import minidist as md`` re-exports names up to the
+``parallel`` layer, so the package root counts as that layer.
 The GloVe track is imported on its own: ``from minidist import glove``.
 """
 

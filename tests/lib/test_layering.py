@@ -1,7 +1,8 @@
-"""The layers of ``minidist`` (DESIGN.md): a module imports only its own layer and the ones below.
+"""The layers of ``minidist``: a module imports only its own layer and the ones below.
 
 Every module under ``lib/minidist`` is given a layer by the first part of its name (the table
-below; a module that no row names fails the test, so a new module must be placed). Every
+in the package docstring, ``minidist.__doc__``, the only place it is written; a module that no
+row names fails the test, so a new module must be placed). Every
 import it makes -- at the top, inside a function, ``import x``, ``from x import y`` and
 ``from . import y`` -- is read from its syntax tree, and each one into a higher layer is
 reported with its file and line. The package root ``minidist`` (``import minidist as md``)
@@ -17,21 +18,39 @@ import minidist
 
 LIB = Path(minidist.__file__).resolve().parent
 
-#: (layer, the first parts of module names after ``minidist.``), lowest first
-LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    (
-        "foundations",
-        ("errors", "comm", "wire", "trace", "optim", "quant", "measure", "_output", "_proc", "_stacks"),
-    ),
-    ("transport", ("transport",)),
-    ("collectives", ("collectives",)),
-    ("launch", ("launch", "_torchrun")),
-    ("parallel", ("parallel",)),
-    ("data", ("data",)),
-    ("models", ("models", "glove")),
-    ("tools", ("memory", "serve", "bench")),
-]
+
+def layers_from_docstring(doc: str) -> list[tuple[str, tuple[str, ...]]]:
+    """The layer table of the package docstring: the rows after the ``layer  modules`` header."""
+    lines = doc.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split()[:2] == ["layer", "modules"])
+    rows = []
+    for line in lines[start + 1 :]:
+        if not line.strip():
+            break
+        name, *modules = line.split()
+        rows.append((name, tuple(modules)))
+    return rows
+
+
+#: (layer, the first parts of module names after ``minidist.``), lowest first: written once, in
+#: the package docstring of minidist/__init__.py
+LAYERS: list[tuple[str, tuple[str, ...]]] = layers_from_docstring(minidist.__doc__)
 ROOT_LAYER = "parallel"  # what `import minidist` brings in (minidist/__init__.py)
+
+
+def test_the_table_is_read_from_the_docstring():
+    names = [name for name, _ in LAYERS]
+    assert names == [
+        "foundations",
+        "transport",
+        "collectives",
+        "launch",
+        "parallel",
+        "data",
+        "models",
+        "tools",
+    ]
+    assert "comm" in dict(LAYERS)["foundations"] and "bench" in dict(LAYERS)["tools"]
 
 
 def layer_of(module: str) -> int | None:
