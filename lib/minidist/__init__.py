@@ -18,7 +18,7 @@ every module; a module whose first name is in no row fails it). This table is th
 the layers are written down::
 
     layer        modules (the first part of the name after ``minidist.``)
-    foundations  errors comm wire trace optim quant measure _output _proc _stacks
+    foundations  errors comm handles wire trace optim quant measure _output _proc _stacks
     transport    transport
     collectives  collectives
     launch       launch _torchrun

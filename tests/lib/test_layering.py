@@ -113,6 +113,28 @@ def test_every_module_imports_only_its_layer_and_the_ones_below():
     assert not errors, "imports into a higher layer:\n" + "\n".join(errors)
 
 
+#: rules inside a layer, beyond the table: (importer, imported, why); the first parts of names
+WITHIN_A_LAYER = [
+    ("parallel", "optim", "training patterns take optimizers as arguments"),
+    ("serve", "bench", "serving is measured by bench, never the reverse"),
+]
+
+
+def test_no_module_breaks_a_rule_inside_its_layer():
+    errors = []
+    for path in sorted(LIB.rglob("*.py")):
+        name = module_name(path)
+        for importer, imported, why in WITHIN_A_LAYER:
+            if name.split(".")[1:2] != [importer]:
+                continue
+            errors += [
+                f"{path.relative_to(LIB.parent)}:{line}: {name} imports {module} ({why})"
+                for module, line in imports_of(path)
+                if module.split(".")[1:2] == [imported] and module.startswith("minidist.")
+            ]
+    assert not errors, "\n".join(errors)
+
+
 def test_every_module_has_a_layer():
     for path in LIB.rglob("*.py"):
         assert layer_of(module_name(path)) is not None

@@ -27,7 +27,7 @@ unpickler refuses every global: dicts, lists, tuples, numbers and strings need n
 tensors travel through pickle's *persistent id* hook as plain (dtype, shape, bytes) records.
 A public swarm (Petals) uses a schema (protobuf) for the same reason.
 
-Layer 6 (private to ``minidist.serve``): imports torch only.
+Private to ``minidist.serve``; imports torch only.
 """
 
 from __future__ import annotations

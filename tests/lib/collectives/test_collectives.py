@@ -358,40 +358,6 @@ def test_cost_model_prefers_few_rounds_when_small_and_few_bytes_when_large():
 LIB = Path(md.__file__).parents[1]  # the source root, lib/
 
 
-def _minidist_imports(path: Path) -> set[str]:
-    """Every minidist module ``path`` imports, at the top or inside a function."""
-    import ast
-
-    package = ["minidist", *path.relative_to(LIB / "minidist").parent.parts]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            base = package[: len(package) - node.level + 1] if node.level else []
-            found.add(".".join([*base, *(node.module or "").split(".")]).strip("."))
-    return {name for name in found if name.startswith("minidist")}
-
-
-@pytest.mark.parametrize(
-    "folder, forbidden",
-    [
-        ("transport", ("collectives", "parallel", "glove", "bench")),
-        ("collectives", ("launch", "parallel", "glove", "bench")),
-        # training patterns (DDP, TP, pipeline, ZeRO, offload) take models as arguments
-        ("parallel", ("models", "memory", "data", "optim", "glove", "bench")),
-        # models are served (lecture 9), never serve themselves; serving is measured by bench
-        ("models", ("serve", "bench")),
-        ("serve", ("bench",)),
-    ],
-)
-def test_lower_layers_never_import_higher_ones(folder, forbidden):
-    """E.g. the cost model takes its measurements as arguments; measuring lives in bench."""
-    for path in sorted((LIB / "minidist" / folder).rglob("*.py")):
-        bad = {name for name in _minidist_imports(path) if name.split(".")[1:2] in [[f] for f in forbidden]}
-        assert not bad, f"{path.name} imports {sorted(bad)}"
-
-
 def test_cost_model_measure_moved_to_bench():
     from minidist.bench.p2p import measure_alpha_beta
 

@@ -21,7 +21,9 @@ from minidist.models import shards
 from minidist.models.decoder import DecoderLM
 from minidist.models.transformer import TransformerConfig
 from minidist.serve import offload
-from minidist.serve.offload import BlockLoadError, StreamedDecoder
+from minidist.serve.offload import BlockLoadError, StreamedDecoder, demonstration
+from minidist.serve.offload.budget import _dtype_bytes
+from minidist.serve.offload.loader import _Loader
 
 
 def tiny_config(position: str = "learned", n_layers: int = 4) -> TransformerConfig:
@@ -206,7 +208,7 @@ def test_a_read_slower_than_the_timeout_raises_and_its_late_block_is_dropped(che
             gate.wait(30)
         return real(directory, i, *args, **kwargs)
 
-    real_result = offload._Loader.result
+    real_result = _Loader.result
 
     def result(self, i):  # a short deadline for the gated block only; every other read gets 120 s
         self._timeout = 2.0 if i == 2 and not gate.is_set() else 120.0
@@ -215,7 +217,7 @@ def test_a_read_slower_than_the_timeout_raises_and_its_late_block_is_dropped(che
     ids = torch.randint(97, (1, 6))
     with StreamedDecoder(directory, prefetch=True, load_timeout=120.0) as streamed:
         monkeypatch.setattr(shards, "load_block", slow)
-        monkeypatch.setattr(offload._Loader, "result", result)
+        monkeypatch.setattr(_Loader, "result", result)
         with pytest.raises(TimeoutError, match="block 2"):
             streamed(ids)
         gate.set()  # the late block 2 arrives now; the next pass must not take it for block 0
@@ -275,9 +277,9 @@ def test_dtype_sizes_match_safetensors_and_unknown_dtypes_are_named(tmp_path):
     with safe_open(str(tmp_path / "all.safetensors"), framework="pt") as f:
         for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
             stored = f.get_slice(name).get_dtype()
-            assert offload._dtype_bytes(stored, name) == tensors[name].element_size(), (name, stored)
+            assert _dtype_bytes(stored, name) == tensors[name].element_size(), (name, stored)
     with pytest.raises(ValueError, match="'w' is stored as 'C64'"):
-        offload._dtype_bytes("C64", "w")
+        _dtype_bytes("C64", "w")
 
 
 def test_demo_deletes_only_the_checkpoint_it_wrote(tmp_path, monkeypatch):
@@ -296,8 +298,8 @@ def test_demo_deletes_only_the_checkpoint_it_wrote(tmp_path, monkeypatch):
         assert (target / "model.safetensors").exists()
         return {"disk_bytes": 10, "budget_bytes": 5}
 
-    monkeypatch.setattr(offload, "write_random_checkpoint", write)
-    monkeypatch.setattr(offload, "measure_streaming", measure)
+    monkeypatch.setattr(demonstration, "write_random_checkpoint", write)
+    monkeypatch.setattr(demonstration, "measure_streaming", measure)
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")

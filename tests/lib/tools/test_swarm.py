@@ -22,6 +22,7 @@ import torch
 
 from conftest import wait_until
 from minidist import quant
+from minidist.bench import swarm as swarm_bench
 from minidist.models import generate, lora, shards
 from minidist.models.decoder import DecoderLM
 from minidist.models.transformer import TransformerConfig, attention_bias
@@ -478,7 +479,7 @@ def test_lm_forward_equals_the_model_and_local_prompt_tuning(checkpoint):
 
 def test_measure_throughput_rows(checkpoint):
     directory, _ = checkpoint
-    result = swarm.measure_throughput(
+    result = swarm_bench.measure_throughput(
         directory, servers=(2, 3), prompt_len=4, new_tokens=3, repeats=1, timeout=60
     )
     rows = {(r["setup"], r["use_cache"]): r for r in result["rows"]}
@@ -488,7 +489,7 @@ def test_measure_throughput_rows(checkpoint):
     for setup in ("2 servers", "3 servers"):  # bytes are counted, not timed: the cache sends less
         assert 0 < rows[setup, True]["bytes_per_token"] < rows[setup, False]["bytes_per_token"]
     assert rows["2 servers", True]["bytes_per_token"] < rows["3 servers", True]["bytes_per_token"]
-    assert "| 3 servers | no |" in swarm.format_throughput(result)
+    assert "| 3 servers | no |" in swarm_bench.format_throughput(result)
 
 
 # --- processes --------------------------------------------------------------------------------
