@@ -50,7 +50,8 @@ from typing import NamedTuple
 import torch
 
 from ..comm import Communicator, CommView, Handle, Work
-from .base import BaseComm, PeerQueues
+from .base import BaseComm
+from .queues import PeerQueues
 
 
 class LinkSpec(NamedTuple):
