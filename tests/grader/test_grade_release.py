@@ -25,7 +25,7 @@ def test_the_student_repository_has_no_solution_and_its_public_tests_fail_cleanl
     )
     files = [p for p in repo.rglob("*") if p.is_file()]
     names = {p.relative_to(repo).as_posix() for p in files}
-    assert {"README.md", "Makefile", "pyproject.toml", "lib/minidist/launch.py"} <= names
+    assert {"README.md", "Makefile", "pyproject.toml", "lib/minidist/launch/__init__.py"} <= names
     assert "assignments/a1_collectives/collectives.py" in names
     assert not any(n.startswith(("solutions/", "grader/")) or "test_hidden" in n for n in names)
     assert SOLUTION_LINE in (ROOT / "solutions/a1_collectives/collectives.py").read_text()

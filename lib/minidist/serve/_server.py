@@ -49,7 +49,7 @@ import traceback
 import torch
 
 from minidist import quant
-from minidist.launch import _die_with_parent, _release_fork_server
+from minidist.launch.worker import _die_with_parent, _release_fork_server
 from minidist.models import generate, lora, shards
 from minidist.serve import _wire
 

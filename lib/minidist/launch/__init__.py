@@ -29,143 +29,32 @@ Under ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT set) nothing
 is started: this process *is* one rank, the communicator is the torch
 transport, and ``launch`` returns every rank's result, gathered from all
 machines. The same script thus runs on a laptop and on a cluster.
+
+This package: ``worker.py`` (what a started process does), ``failures.py`` (waiting, the root
+cause of a failure, killing), and here ``launch`` itself.
 """
 
 from __future__ import annotations
 
-import contextlib
-import faulthandler
-import json
-import multiprocessing.connection
 import os
 import pickle
 import shutil
-import signal
 import sys
 import tempfile
-import time
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.multiprocessing as torch_mp
 
-from . import transport as transports
-from ._output import OutputForwarder
-from ._stacks import collect_stacks
-from ._torchrun import launch_under_torchrun
-from .errors import LaunchTimeout, WorkerError
+from .. import transport as transports
+from .._output import OutputForwarder
+from .._torchrun import launch_under_torchrun
+from .failures import _kill_rank, _wait_for_results
+from .worker import _ENV_WORKER, WorkerSpec, _worker_main
 
 START_METHODS = ("forkserver", "spawn", "fork")
-_ENV_WORKER = "MINIDIST_WORKER"  # set inside our workers: a nested launch is not torchrun
-_FAILURE_GRACE = 0.3  # seconds to collect other failures before choosing the root cause
 
 
-@dataclass(frozen=True)
-class WorkerSpec:
-    rank: int
-    world_size: int
-    local_rank: int
-    transport: str
-    device: str
-    timeout: float | None
-    threads: int
-    stack_file: str
-    forward_output: bool
-    foreign_fds: tuple[int, ...] = ()  # other ranks' pipe ends, inherited under fork
-
-
-# --- the worker side ---------------------------------------------------------------
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL us when our parent process dies (no orphans)."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _release_fork_server() -> None:
-    """Drop our copy of the fork server's "alive" pipe.
-
-    multiprocessing hands every forked worker the write end of that pipe; the
-    fork server exits when all write ends are closed. If workers keep theirs,
-    a launcher killed with SIGKILL leaves fork server and workers keeping each
-    other alive forever. Without it, the fork server exits with the launcher
-    and PR_SET_PDEATHSIG then kills the workers.
-    """
-    from multiprocessing import forkserver
-
-    server = getattr(forkserver, "_forkserver", None)
-    fd = getattr(server, "_forkserver_alive_fd", None)
-    if fd is not None:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-        server._forkserver_alive_fd = None
-
-
-def _worker_main(spec: WorkerSpec, fn, args, kwargs, result_conn, resources, out_conn, err_conn):
-    os.environ[_ENV_WORKER] = "1"
-    for fd in spec.foreign_fds:  # else a peer's exit would not close its pipes (see transport)
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    result_conn.send_bytes(b"S")  # "started": the launcher can tell start-up failures apart
-    with contextlib.suppress(OSError):
-        os.setpgid(0, 0)  # our own process group: the launcher kills the whole group
-    _die_with_parent()
-    _release_fork_server()
-    if spec.forward_output:
-        os.dup2(out_conn.fileno(), 1)
-        os.dup2(err_conn.fileno(), 2)
-        out_conn.close()
-        err_conn.close()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(AttributeError, ValueError):
-                stream.reconfigure(line_buffering=True)
-    stack_file = open(spec.stack_file, "w")  # noqa: SIM115 -- must stay open for faulthandler
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    torch.set_num_threads(spec.threads)
-    comm = None
-    try:
-        device = torch.device(spec.device)
-        if device.type == "cuda":
-            # One GPU per rank when there are enough; otherwise ranks share GPUs round-robin
-            # (allowed for shm and pipe, which stage through the CPU; see _check_device).
-            device = torch.device("cuda", spec.local_rank % torch.cuda.device_count())
-            torch.cuda.set_device(device)
-        # No per-operation timeout: the launcher watches the whole run and, on timeout,
-        # shows where each rank is stuck -- more useful than one rank's TimeoutError.
-        comm = transports.connect(
-            spec.transport, spec.rank, spec.world_size, resources, spec.local_rank, device, None
-        )
-        value = fn(comm, *args, **kwargs)
-        try:
-            message = b"R" + pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as error:
-            raise TypeError(
-                f"rank {spec.rank} returned a {type(value).__name__} that cannot be pickled "
-                f"({error}); return tensors, numbers, lists or dicts of them"
-            ) from error
-    except BaseException as error:  # SystemExit and KeyboardInterrupt too: report, don't vanish
-        message = (
-            b"E"
-            + json.dumps(
-                {"type": type(error).__name__, "message": str(error), "traceback": traceback.format_exc()}
-            ).encode()
-        )
-    result_conn.send_bytes(message)
-    result_conn.close()
-    if comm is not None:
-        with contextlib.suppress(Exception):
-            comm.close()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-
-
-# --- the launcher side ---------------------------------------------------------------
 def _check_function(fn: Callable, start_method: str) -> None:
     if not callable(fn):
         raise TypeError(f"launch() needs a function to run, got {type(fn).__name__}")
@@ -188,59 +77,6 @@ def _check_function(fn: Callable, start_method: str) -> None:
             "pass that; or use start_method='fork' (Linux/macOS only; re-run the definition "
             "cell after each edit)."
         )
-
-
-def _signal_description(code: int) -> str:
-    try:
-        name = signal.Signals(-code).name
-    except ValueError:
-        name = f"signal {-code}"
-    hints = {
-        "SIGKILL": " (killed from outside; often the out-of-memory killer)",
-        "SIGSEGV": " (a segmentation fault in native code)",
-        "SIGBUS": " (bus error: shared memory full? check the size of /dev/shm)",
-        "SIGABRT": " (aborted by native code)",
-    }
-    return f"was killed by {name}{hints.get(name, '')}"
-
-
-def _kill_rank(process) -> None:
-    pid = process.pid
-    if pid is None:
-        return
-    for kill in (os.killpg, os.kill):  # the group first: also what the worker started
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            kill(pid, signal.SIGKILL)
-
-
-def _failure_from_message(rank: int, message: bytes):
-    info = json.loads(message[1:].decode())
-    return {
-        "rank": rank,
-        "message": f"{info['type']}: {info['message']}",
-        "exc_type": info["type"],
-        "remote_traceback": info["traceback"],
-        "exitcode": None,
-    }
-
-
-def _choose_root_cause(failures: list[dict]) -> WorkerError:
-    """The first failure that is not a mere consequence (a peer that lost its partner)."""
-    consequences = ("PeerError", "MessageMismatch")
-    causes = [f for f in failures if f["exc_type"] not in consequences and f["exc_type"] != ""]
-    deaths = [f for f in failures if f["exc_type"] == ""]
-    # a rank that saw a disagreement comes before one that then lost its partner (PeerError)
-    mismatches = [f for f in failures if f["exc_type"] == "MessageMismatch"]
-    primary = (causes or deaths or mismatches or failures)[0]
-    others = {f["rank"]: f["message"] for f in failures if f is not primary}
-    return WorkerError(
-        primary["rank"],
-        primary["message"],
-        exc_type=primary["exc_type"],
-        remote_traceback=primary["remote_traceback"],
-        exitcode=primary["exitcode"],
-        other_failures=others,
-    )
 
 
 def launch(
@@ -382,93 +218,6 @@ def launch(
                 conn.close()
         del keepalive
         shutil.rmtree(stack_dir, ignore_errors=True)
-
-
-def _wait_for_results(processes, readers, timeout, stack_dir) -> list:
-    world_size = len(processes)
-    results: dict[int, Any] = {}
-    failures: list[dict] = []
-    pending = set(range(world_size))
-    reader_rank = {reader: rank for rank, reader in enumerate(readers)}
-    sentinel_rank = {process.sentinel: rank for rank, process in enumerate(processes)}
-    open_readers = set(readers)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    first_failure_at = None
-
-    started: set[int] = set()
-
-    def take(rank: int, message: bytes) -> None:
-        if message == b"S":
-            started.add(rank)
-            return
-        pending.discard(rank)
-        if message[:1] == b"R":
-            try:
-                results[rank] = pickle.loads(message[1:])
-            except Exception as error:
-                failures.append(
-                    {
-                        "rank": rank,
-                        "message": f"its return value could not be unpickled here: {error!r}",
-                        "exc_type": type(error).__name__,
-                        "remote_traceback": "",
-                        "exitcode": None,
-                    }
-                )
-        else:
-            failures.append(_failure_from_message(rank, message))
-
-    while pending:
-        now = time.monotonic()
-        if first_failure_at is not None and now - first_failure_at > _FAILURE_GRACE:
-            break
-        wait_for = None if deadline is None else deadline - now
-        if first_failure_at is not None:
-            wait_for = max(0.0, first_failure_at + _FAILURE_GRACE - now)
-        if wait_for is not None and wait_for <= 0 and first_failure_at is None:
-            stuck = sorted(pending)
-            stacks = collect_stacks(processes, stuck, [f"{stack_dir}/rank{r}.txt" for r in range(world_size)])
-            raise LaunchTimeout(stuck, stacks, timeout)
-        watch = [r for r in open_readers if reader_rank[r] in pending]
-        watch += [p.sentinel for r, p in enumerate(processes) if r in pending]
-        for ready in multiprocessing.connection.wait(watch, timeout=wait_for):
-            if ready in reader_rank:
-                rank = reader_rank[ready]
-                try:
-                    take(rank, ready.recv_bytes())
-                except (EOFError, OSError):
-                    open_readers.discard(ready)
-            else:
-                rank = sentinel_rank[ready]
-                if rank not in pending:
-                    continue
-                reader = readers[rank]
-                with contextlib.suppress(EOFError, OSError):
-                    while rank in pending and reader.poll(0):  # sent just before exiting
-                        take(rank, reader.recv_bytes())
-                if rank not in pending:
-                    continue
-                processes[rank].join(timeout=1.0)
-                code = processes[rank].exitcode
-                pending.discard(rank)
-                if code is not None and code < 0:
-                    what = _signal_description(code)
-                elif rank not in started:
-                    what = (
-                        f"exited with code {code} while starting, before it could run your function: "
-                        "see the error printed above (a script that calls launch() needs "
-                        "`if __name__ == '__main__':` around that call)"
-                    )
-                else:
-                    what = f"exited with code {code} without returning a result (did it call os._exit()?)"
-                failures.append(
-                    {"rank": rank, "message": what, "exc_type": "", "remote_traceback": "", "exitcode": code}
-                )
-        if failures and first_failure_at is None:
-            first_failure_at = time.monotonic()
-    if failures:
-        raise _choose_root_cause(failures)
-    return [results[rank] for rank in range(world_size)]
 
 
 def _check_device(device: str, world_size: int, start_method: str, transport: str = "torch") -> None:
