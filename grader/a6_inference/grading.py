@@ -13,7 +13,7 @@ from __future__ import annotations
 from grader.assignment import Assignment
 
 #: the library files a submission is compared with (``grader/similarity.py``), relative to the root
-SIMILAR_TO = ("lib/minidist/quant.py", "lib/minidist/models/generate.py")
+SIMILAR_TO = ("lib/minidist/quant/*.py", "lib/minidist/models/generate/*.py")
 #: functions the stub gives (every submission has them): not compared
 GIVEN_FUNCTIONS = (
     "NF4Weight.nbytes",

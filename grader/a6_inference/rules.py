@@ -29,6 +29,7 @@ FORBIDDEN_NAMES = (
     "minidist.models.transformer.MultiHeadSelfAttention.forward",
     # the library's causal bias (the attention core: minidist.models.checkpointing, above)
     "minidist.models.transformer.attention_bias",
+    "minidist.models.score_bias.attention_bias",  # where it is written (transformer imports it)
     "torch.nn.functional.scaled_dot_product_attention",
     "torch.nn.functional.multi_head_attention_forward",
     "torch.nn.MultiheadAttention",

@@ -1,7 +1,8 @@
 """Measuring memory on real tensors: what the calculator in ``minidist.memory`` is checked against.
 
 Foundations (layer 0): pure tensor bookkeeping, no communication and no model, so that models,
-parallel code and the calculator can all use it (``minidist.memory`` re-exports every name).
+parallel code and the calculator can all use it (``minidist.memory`` re-exports the ones
+the lectures call: ``tensor_bytes``, ``saved_activation_bytes``, ``build_on_meta``).
 
 ``tensor_bytes(obj)``               bytes of the distinct storages reachable from obj
 ``saved_activation_bytes(fn, ...)`` bytes autograd saves for backward while fn runs

@@ -13,7 +13,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from minidist import quant
 from minidist.models import generate
 from minidist.models.decoder import CONFIGS, DecoderLM
-from minidist.models.transformer import TransformerBlock, TransformerConfig, attention_bias
+from minidist.models.score_bias import attention_bias
+from minidist.models.transformer import TransformerBlock, TransformerConfig
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -255,12 +256,12 @@ def test_kv_cache_bytes_equals_the_filled_cache(dtype):
 
 
 def test_kv_cache_bytes_of_the_175b_models_match_the_docstring_table():
-    """The module docstring quotes these; the formula is 2 · layers · T · d · 2 bytes."""
+    """The docstring of ``generate.cost`` quotes these; the formula is 2 · layers · T · d · 2 bytes."""
     opt = generate.kv_cache_bytes(CONFIGS["opt-175b"], batch=1, seq=2048)
     bloom = generate.kv_cache_bytes(CONFIGS["bloom-176b"], batch=1, seq=2048)
     assert opt == 2 * 96 * 2048 * 12288 * 2
     assert bloom == 2 * 70 * 2048 * 14336 * 2
-    assert f"{opt:,}" in generate.__doc__ and f"{bloom:,}" in generate.__doc__
+    assert f"{opt:,}" in generate.cost.__doc__ and f"{bloom:,}" in generate.cost.__doc__
 
 
 @pytest.mark.parametrize("use_cache", [True, False])

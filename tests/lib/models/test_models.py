@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minidist.models import bert, decoder, transformer
+from minidist.models import bert, decoder, score_bias, transformer
 from minidist.models.transformer import MultiHeadSelfAttention, TransformerConfig
 from tiny import tiny_config
 
@@ -98,8 +98,8 @@ def test_alibi_slopes_follow_the_paper_for_non_power_of_two_heads():
         return [start**h for h in range(1, n + 1)]
 
     reference = powers(64) + powers(128)[0::2][:48]
-    torch.testing.assert_close(transformer.alibi_slopes(112), torch.tensor(reference))
-    torch.testing.assert_close(transformer.alibi_slopes(8), torch.tensor([2.0**-k for k in range(1, 9)]))
+    torch.testing.assert_close(score_bias.alibi_slopes(112), torch.tensor(reference))
+    torch.testing.assert_close(score_bias.alibi_slopes(8), torch.tensor([2.0**-k for k in range(1, 9)]))
 
 
 @pytest.mark.parametrize("name", ["tiny", "bloom-like"])

@@ -214,7 +214,7 @@ def test_quantized_perplexity_and_bytes(course):
 
 def test_the_shipped_weights_are_loaded_not_trained(course, monkeypatch):
     model, _ = course
-    monkeypatch.setattr(pretrained, "train", _no_training)
+    monkeypatch.setattr(pretrained.loading, "train", _no_training)
     monkeypatch.setenv("MINIDIST_CACHE", "/nonexistent/cache")  # the shipped copy needs no cache
     directory = pretrained.checkpoint_dir("course")
     assert directory == pretrained.shipped_dir("course")
@@ -241,7 +241,7 @@ def test_the_recipe_reproduces_the_shipped_loss_curve():
     info = pretrained.training_info("course")
     recipe = pretrained.RECIPES["course"]
     assert info["recipe"] == {**dataclasses.asdict(recipe), "config": dataclasses.asdict(recipe.config)}
-    assert info["tokenizer_sha256"] == pretrained._tokenizer_digest(data.load_tokenizer())
+    assert info["tokenizer_sha256"] == pretrained.loading._tokenizer_digest(data.load_tokenizer())
     recorded = info["losses"]
     assert len(recorded) == recipe.steps and recorded[-1] < recorded[0] - 2
     rerun = pretrained.train(recipe, stop_after=REPRODUCED_STEPS).losses
@@ -265,6 +265,7 @@ def test_unknown_name():
 _CONCURRENT_CHILD = textwrap.dedent(
     """
     import os, sys, torch
+    from minidist import data
     from minidist.models import pretrained
     from minidist.models.transformer import TransformerConfig
 
@@ -274,7 +275,7 @@ _CONCURRENT_CHILD = textwrap.dedent(
     pretrained.RECIPES["locktest"] = pretrained.Recipe(cfg, steps=20, batch_size=4, seq_len=16, lr=1e-3,
         warmup_steps=2, final_lr_factor=0.1, weight_decay=0.1, max_grad_norm=1.0, seed=0, version=1)
     blocks = torch.randint(0, 8192, (32, 16), generator=torch.Generator().manual_seed(0))
-    pretrained.data.lm_dataset = lambda tok, seq_len, split: blocks
+    data.lm_dataset = lambda tok, seq_len, split: blocks
     real_train = pretrained.train
 
     def counted_train(*args, **kwargs):
@@ -282,7 +283,7 @@ _CONCURRENT_CHILD = textwrap.dedent(
             pass
         return real_train(*args, **kwargs)
 
-    pretrained.train = counted_train
+    pretrained.loading.train = counted_train  # what checkpoint_dir calls
     model, _ = pretrained.load("locktest")
     print(float(model.word_embeddings.sum()))
     """
@@ -339,7 +340,7 @@ def tiny_recipe(tmp_path, monkeypatch):
     cfg = recipe.config
     monkeypatch.setitem(pretrained.RECIPES, "cachetest", recipe)
     blocks = torch.randint(0, cfg.vocab_size, (8, 16), generator=torch.Generator().manual_seed(0))
-    monkeypatch.setattr(pretrained.data, "lm_dataset", lambda tok, seq_len, split: blocks)
+    monkeypatch.setattr(data, "lm_dataset", lambda tok, seq_len, split: blocks)
     return "cachetest"
 
 
@@ -348,9 +349,9 @@ def _no_training(*args, **kwargs):
 
 
 def test_a_held_lock_is_announced_and_given_up_on(tiny_recipe, monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(pretrained, "LOCK_TIMEOUT_S", 0.3)
-    monkeypatch.setattr(pretrained, "LOCK_POLL_S", 0.05)
-    monkeypatch.setattr(pretrained, "train", _no_training)
+    monkeypatch.setattr(pretrained.loading, "LOCK_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(pretrained.loading, "LOCK_POLL_S", 0.05)
+    monkeypatch.setattr(pretrained.loading, "train", _no_training)
     cache = tmp_path / "cache"
     cache.mkdir()
     lock_path = cache / ".decoder-cachetest-v1.lock"
@@ -372,18 +373,18 @@ def test_a_failed_training_leaves_no_staging_folder(tiny_recipe, monkeypatch, tm
 
     cache = tmp_path / "cache"
     (cache / ".decoder-cachetest-v1.staging-999999").mkdir(parents=True)  # a dead process's leftover
-    monkeypatch.setattr(pretrained.shards, "save_sharded", save_then_die)
+    monkeypatch.setattr(shards, "save_sharded", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         pretrained.checkpoint_dir(tiny_recipe)
     assert sorted(p.name for p in cache.iterdir()) == [".decoder-cachetest-v1.lock"]
-    monkeypatch.setattr(pretrained.shards, "save_sharded", real_save)
+    monkeypatch.setattr(shards, "save_sharded", real_save)
     directory = pretrained.checkpoint_dir(tiny_recipe)  # a later call trains and publishes
     assert (directory / shards.INDEX_NAME).exists() and (directory / pretrained.TRAINING_INFO).exists()
     assert sorted(p.name for p in cache.iterdir()) == [".decoder-cachetest-v1.lock", directory.name]
 
 
 def test_a_folder_without_an_index_is_refused_before_training(tiny_recipe, monkeypatch, tmp_path):
-    monkeypatch.setattr(pretrained, "train", _no_training)
+    monkeypatch.setattr(pretrained.loading, "train", _no_training)
     directory = tmp_path / "cache" / "decoder-cachetest-v1"
     directory.mkdir(parents=True)
     (directory / "notes.txt").write_text("copied by hand")
@@ -395,7 +396,7 @@ def test_load_refuses_a_cache_of_another_config_or_tokenizer(tiny_recipe, monkey
     model, _ = pretrained.load(tiny_recipe)  # trains and caches
     directory = pretrained.checkpoint_dir(tiny_recipe)
     info = pretrained.training_info(tiny_recipe)
-    assert info["tokenizer_sha256"] == pretrained._tokenizer_digest(data.load_tokenizer())
+    assert info["tokenizer_sha256"] == pretrained.loading._tokenizer_digest(data.load_tokenizer())
     # the recipe edited without bumping its version: the cache no longer matches it
     recipe = pretrained.RECIPES[tiny_recipe]
     wider = dataclasses.replace(recipe, config=dataclasses.replace(recipe.config, hidden_size=64))

@@ -118,8 +118,8 @@ def test_only_needed_shards_are_opened(tmp_path, monkeypatch):
     model = _model(n_layers=4)
     shards.save_sharded(model, tmp_path)
     index = shards.read_index(tmp_path)
-    counter = _CountingOpen(shards.safe_open)
-    monkeypatch.setattr(shards, "safe_open", counter)
+    counter = _CountingOpen(shards.read.safe_open)
+    monkeypatch.setattr(shards.read, "safe_open", counter)
 
     block = shards.load_block(tmp_path, 2)
     holder = index.weight_map[shards.block_prefix(2) + "attention.query.weight"]
@@ -208,7 +208,7 @@ def test_existing_directory(tmp_path):
 
 
 def test_a_failed_write_leaves_no_checkpoint(tmp_path, monkeypatch):
-    real_save = shards.save_file
+    real_save = shards.write.save_file
     written = []
 
     def dies_on_third_shard(tensors, path, metadata=None):
@@ -217,7 +217,7 @@ def test_a_failed_write_leaves_no_checkpoint(tmp_path, monkeypatch):
         written.append(path)
         real_save(tensors, path, metadata=metadata)
 
-    monkeypatch.setattr(shards, "save_file", dies_on_third_shard)
+    monkeypatch.setattr(shards.write, "save_file", dies_on_third_shard)
     with pytest.raises(KeyboardInterrupt):
         shards.save_sharded(_model(), tmp_path / "ckpt")
     assert list(tmp_path.iterdir()) == []  # neither the target nor a half-written temporary
@@ -263,18 +263,18 @@ def test_weight_map_must_be_an_object(tmp_path, weight_map):
 def test_a_writer_that_finished_first_is_not_overwritten(tmp_path, monkeypatch):
     """Two writers both see an empty target; the one that renames second must fail, not replace."""
     first, second = _model(seed=0), _model(seed=1)
-    real_save = shards.save_file
+    real_save = shards.write.save_file
     state = {"raced": False}
 
     def other_writer_finishes_meanwhile(tensors, path, metadata=None):
         if not state["raced"]:
             state["raced"] = True
-            monkeypatch.setattr(shards, "save_file", real_save)
+            monkeypatch.setattr(shards.write, "save_file", real_save)
             shards.save_sharded(second, tmp_path / "ckpt")  # passed its own check, finishes first
-            monkeypatch.setattr(shards, "save_file", other_writer_finishes_meanwhile)
+            monkeypatch.setattr(shards.write, "save_file", other_writer_finishes_meanwhile)
         real_save(tensors, path, metadata=metadata)
 
-    monkeypatch.setattr(shards, "save_file", other_writer_finishes_meanwhile)
+    monkeypatch.setattr(shards.write, "save_file", other_writer_finishes_meanwhile)
     with pytest.raises(ValueError, match="filled by another writer.*overwrite=True"):
         shards.save_sharded(first, tmp_path / "ckpt")
     assert torch.equal(shards.load_decoder(tmp_path / "ckpt").word_embeddings, second.word_embeddings)
@@ -283,7 +283,7 @@ def test_a_writer_that_finished_first_is_not_overwritten(tmp_path, monkeypatch):
 
 def test_shards_and_index_reach_the_disk_before_the_rename(tmp_path, monkeypatch):
     events = []
-    real_fsync, real_rename = shards.os.fsync, shards.os.rename
+    real_fsync, real_rename = shards.write.os.fsync, shards.write.os.rename
 
     def fsync(fd):
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
@@ -293,8 +293,8 @@ def test_shards_and_index_reach_the_disk_before_the_rename(tmp_path, monkeypatch
         events.append(("rename", str(dst)))
         real_rename(src, dst)
 
-    monkeypatch.setattr(shards.os, "fsync", fsync)
-    monkeypatch.setattr(shards.os, "rename", rename)
+    monkeypatch.setattr(shards.write.os, "fsync", fsync)
+    monkeypatch.setattr(shards.write.os, "rename", rename)
     shards.save_sharded(_model(n_layers=2), tmp_path / "ckpt")
     assert events[-1] == ("rename", str(tmp_path / "ckpt"))
     synced = {Path(p).name for kind, p in events[:-1] if kind == "fsync"}
