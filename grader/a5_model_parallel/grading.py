@@ -13,7 +13,7 @@ from __future__ import annotations
 from grader.assignment import Assignment
 
 #: the library files a submission is compared with (``grader/similarity.py``), relative to the root
-SIMILAR_TO = ("lib/minidist/parallel/tensor.py", "lib/minidist/parallel/pipeline.py")
+SIMILAR_TO = ("lib/minidist/parallel/tensor/*.py", "lib/minidist/parallel/pipeline/*.py")
 #: functions the stub gives (every submission has them): not compared
 GIVEN_FUNCTIONS = (
     "shard_range",

@@ -7,7 +7,7 @@ records when each unit of ``zero.FullyShardedModule`` is requested, gathered and
 
 import time
 
-from minidist.bench.model_parallel import make_data, make_model, my_rows, train_zero
+from minidist.models.zero_training import make_data, make_model, my_rows, train_zero
 from minidist.parallel import zero
 
 

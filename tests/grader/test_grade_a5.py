@@ -329,8 +329,8 @@ else:
 library = os.path.dirname(md.parallel.ddp.__file__)
 fd = os.open(library, os.O_RDONLY)
 for attempt in (
-    lambda: os.open("pipeline.py", os.O_RDONLY, dir_fd=fd),
-    lambda: os.link(os.path.join(library, "pipeline.py"), os.path.join(folder, "p.py")),
+    lambda: os.open("pipeline/schedules.py", os.O_RDONLY, dir_fd=fd),
+    lambda: os.link(os.path.join(library, "pipeline", "schedules.py"), os.path.join(folder, "p.py")),
     lambda: subprocess.run(["true"]),  # a child would read what the hook does not see
     lambda: open(os.path.join(folder, "another.py"), "w"),
     lambda: os.open("workers_copy.pyc", os.O_WRONLY | os.O_CREAT),

@@ -192,7 +192,7 @@ def check_step(outs, name, p, m, chunks, want_loss, want_grads):
     for r, o in enumerate(outs):
         for a, start, _ in o["actions"]:
             a = tuple(a) + (0,) * (3 - len(a))
-            for dep in pp._dependencies(a, r, p, chunks):
+            for dep in pp.simulator._dependencies(a, r, p, chunks):
                 assert ends[dep] <= start, (r, a, dep)
 
 

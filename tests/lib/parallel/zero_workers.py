@@ -2,12 +2,12 @@
 
 The run functions shared with notebook 08 and the bench (``config``, ``model_config``,
 ``make_model``, ``make_data``, ``reference``, ``train_zero``, ``train_fsdp2``,
-``compare_with_fsdp2``) live in ``minidist.bench.model_parallel`` and are re-exported here.
+``compare_with_fsdp2``) live in ``minidist.models.zero_training`` and are re-exported here.
 """
 
 from __future__ import annotations
 
-from minidist.bench.model_parallel import (  # noqa: F401  (re-exported for test_zero.py)
+from minidist.models.zero_training import (  # noqa: F401  (re-exported for test_zero.py)
     compare_with_fsdp2,
     config,
     make_data,

@@ -204,7 +204,7 @@ def test_model_parallel_benchmark_reports_every_row_and_bytes_equal_the_formulas
     data = json.loads((tmp_path / "model_parallel.json").read_text())
     rows = data["rows"]
     assert list(rows) == names
-    from minidist.bench.model_parallel import config, make_model
+    from minidist.models.zero_training import config, make_model
 
     numel = sum(
         p.numel() for p in make_model(config(vocab=vocab, hidden=d, layers=layers, seq=seq)).parameters()
