@@ -1,6 +1,6 @@
 """Lecture 08, sections 2 and 3: the three ZeRO stages in one launch, and stage 3's gather timeline.
 
-The training itself is ``minidist.bench.model_parallel.train_zero`` (the run the tests check
+The training itself is ``minidist.models.zero_training.train_zero`` (the run the tests check
 against one process); this module only runs it several times per launch and, for the timeline,
 records when each unit of ``zero.FullyShardedModule`` is requested, gathered and freed.
 """
