@@ -1,7 +1,7 @@
-"""Resident memory of this process, read from Linux's ``/proc/self`` (layer 0: imports nothing).
+"""Resident memory of this process, read from Linux's ``/proc/self`` (a foundation: imports nothing).
 
-``minidist.memory`` (the calculator, layer 5) re-exports these as ``rss_bytes``,
-``peak_rss_bytes`` and ``reset_peak_rss``; ``minidist.parallel.offload`` (layer 4) uses them to
+``minidist.memory`` (the calculator, a tool) re-exports these as ``rss_bytes``,
+``peak_rss_bytes`` and ``reset_peak_rss``; ``minidist.parallel.offload`` uses them to
 check its budget. One copy here, below both.
 """
 

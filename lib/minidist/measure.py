@@ -1,6 +1,6 @@
 """Measuring memory on real tensors: what the calculator in ``minidist.memory`` is checked against.
 
-Foundations (layer 0): pure tensor bookkeeping, no communication and no model, so that models,
+A foundation: pure tensor bookkeeping, no communication and no model, so that models,
 parallel code and the calculator can all use it (``minidist.memory`` re-exports the ones
 the lectures call: ``tensor_bytes``, ``saved_activation_bytes``, ``build_on_meta``).
 

@@ -1,4 +1,4 @@
-"""Layer 3: collectives, written once against the point-to-point interface.
+"""Collectives, written once against the point-to-point interface.
 
 ``broadcast``, ``reduce``, ``allreduce`` (star, tree, ring, butterfly, shm),
 ``allgather``, ``reduce_scatter``, ``barrier``; ``cost_model`` predicts what

@@ -1,4 +1,4 @@
-"""Data for the BERT track (layer 5): text, tokenizer, MLM blocks and masking, the distributed sampler.
+"""Data for the BERT track: text, tokenizer, MLM blocks and masking, the distributed sampler.
 
     from minidist import data
     text = data.corpus_articles()            # list of article strings ("train", "eval", "all")

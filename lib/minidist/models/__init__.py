@@ -1,4 +1,4 @@
-"""Course models (layer 5): one transformer (``transformer``) under BERT (``bert``) and a decoder LM.
+"""Course models: one transformer (``transformer``) under BERT (``bert``) and a decoder LM.
 
 Lecture 9 adds, imported on demand (``from minidist.models import generate``): ``shards``
 (safetensors checkpoints with an index), ``pretrained`` (the course's small trained decoder,

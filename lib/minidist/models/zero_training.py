@@ -16,7 +16,7 @@ every rank build the same model (same seed) and read the same data (rank r takes
     outs[0]["state"]  == want                    # to float64 rounding
     outs[0]["bytes_sent"] == zero.traffic_formula(2, outs[0]["padded_numel"], 2, 8)
 
-It lives with the models (layer 5) because it builds one; the ZeRO algorithms themselves are in
+It lives with the models because it builds one; the ZeRO algorithms themselves are in
 ``minidist.parallel.zero``, and ``python -m minidist.bench model_parallel`` measures and prints.
 """
 

@@ -23,7 +23,7 @@ fp16 with fp32 master weights (Micikevicius et al., 2018), ``Fp16MasterWeights``
     (1 + 1e-4 == 1 in fp16), and it does not in fp32. Gradients are copied to fp32 before
     they are unscaled, so dividing by S cannot underflow. ``DynamicLossScaler`` picks S.
 
-The functions here take the model as a factory and the data as batches (layer 4 knows no
+The functions here take the model as a factory and the data as batches (``optim`` knows no
 BERT); ``minidist.bench.large_batch`` runs them on BERT (``bert_factory``, ``bert_batches``).
 
 Memory per parameter with Adam (bytes; measured by ``state_bytes``):
