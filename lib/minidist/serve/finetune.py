@@ -25,8 +25,8 @@ checks this, step for step, in fp32).
     run.losses, run.adapters      # {block: {"query": (A, B), "value": (A, B)}, "scale": s}
     lora.load_adapters(apply_lora'd local model, run.adapters); lora.merge_lora(model)   # to keep
 
-A tool (``serve``; the layers: the package docstring of ``minidist``): imports ``models.lora`` and the servers' list of adapter targets (``_server``), and talks
-to the swarm only through ``swarm.Client``.
+A tool (``serve``): imports ``models.lora`` and the servers' list of adapter targets
+(``_server``), and talks to the swarm only through ``swarm.Client``.
 """
 
 from __future__ import annotations
