@@ -13,7 +13,12 @@ from __future__ import annotations
 from grader.assignment import Assignment
 
 #: the library files a submission is compared with (``grader/similarity.py``), relative to the root
-SIMILAR_TO = ("lib/minidist/parallel/ddp.py", "lib/minidist/parallel/buckets.py")
+SIMILAR_TO = (
+    "lib/minidist/parallel/ddp.py",
+    "lib/minidist/parallel/ddp_naive.py",
+    "lib/minidist/parallel/autograd_graph.py",
+    "lib/minidist/parallel/buckets.py",
+)
 #: functions the stub gives (every submission has them): not compared
 GIVEN_FUNCTIONS = (  # methods as ``Class.method``, the names grader/similarity.py gives them
     "call_when_backward_ends",

@@ -2,7 +2,7 @@
 
 The assignment is to write bucketed, overlapping data parallelism, so the implementations that
 already exist are off limits: the course library's (``minidist.parallel.ddp``, also exported as
-``md.DistributedDataParallel``), torch's (``torch.nn.parallel.DistributedDataParallel``, and its
+``md.DistributedDataParallel``, and its naive version ``minidist.parallel.ddp_naive``), torch's (``torch.nn.parallel.DistributedDataParallel``, and its
 module ``torch.nn.parallel.distributed``), and ``torch.distributed`` altogether (its
 collectives, its communication hooks). The library's bucket module
 (``minidist.parallel.buckets``: its buckets and ``allreduce_average``) is refused too: the
@@ -14,9 +14,15 @@ Plain data, read by the intake check (``grader/forbidden.py``) and by the run ti
 """
 
 #: modules whose every function (and every method of their classes) is refused: the library's
-#: DDP, and its buckets (``allreduce_average`` calls the collectives under its own name, which
-#: the grader's count of ``md.allreduce`` calls would not see)
-FORBIDDEN_MODULES = ("minidist.parallel.ddp", "minidist.parallel.buckets")
+#: DDP, its naive teaching version and its autograd-graph helpers, and its buckets
+#: (``allreduce_average`` calls the collectives under its own name, which the grader's count of
+#: ``md.allreduce`` calls would not see)
+FORBIDDEN_MODULES = (
+    "minidist.parallel.ddp",
+    "minidist.parallel.ddp_naive",
+    "minidist.parallel.autograd_graph",
+    "minidist.parallel.buckets",
+)
 
 #: other qualified names that are refused: the wrappers under the names they are exported as.
 #: torch's module ``torch.nn.parallel.distributed`` is not refused whole (its helpers are torch's
@@ -24,6 +30,7 @@ FORBIDDEN_MODULES = ("minidist.parallel.ddp", "minidist.parallel.buckets")
 FORBIDDEN_NAMES = (
     "minidist.DistributedDataParallel",
     "minidist.parallel.DistributedDataParallel",
+    "minidist.parallel.NaiveDataParallel",
     "torch.nn.parallel.distributed",
     "torch.nn.parallel.DistributedDataParallel",
     "torch.nn.DistributedDataParallel",

@@ -1,8 +1,10 @@
 """minidist.parallel: training patterns built on the collectives.
 
 Building blocks (variable-length messages, any-source receive) and data
-parallelism: ``DistributedDataParallel`` (``ddp``: hooks, buckets, overlap,
-``no_sync``, comm hooks; the buckets themselves in ``buckets``).
+parallelism: ``NaiveDataParallel`` (``ddp_naive``: the idea in ~50 lines, one allreduce
+per parameter after backward) beside ``DistributedDataParallel`` (``ddp``: hooks, buckets,
+overlap, ``no_sync``, comm hooks; the buckets themselves in ``buckets``, the walk that finds
+unused parameters in ``autograd_graph``, what overlap can gain at most in ``overlap``).
 
 Model parallelism, imported by name (``from minidist.parallel import tensor as tp``):
 ``tensor`` (Megatron-style tensor parallel), ``pipeline`` (GPipe/1F1B schedules and their
@@ -12,7 +14,15 @@ executor), ``zero`` (ZeRO-1/2/3), ``offload`` (optimizer state in files on disk)
 
 from .buckets import allreduce_average
 from .ddp import DistributedDataParallel
+from .ddp_naive import NaiveDataParallel
 from .inbox import Inbox
 from .messages import recv_rows, send_rows
 
-__all__ = ["DistributedDataParallel", "Inbox", "allreduce_average", "recv_rows", "send_rows"]
+__all__ = [
+    "DistributedDataParallel",
+    "Inbox",
+    "NaiveDataParallel",
+    "allreduce_average",
+    "recv_rows",
+    "send_rows",
+]

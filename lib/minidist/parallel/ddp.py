@@ -1,5 +1,9 @@
 """Distributed data parallel: every rank trains the same model on its own slice of the batch.
 
+The naive version is ``ddp_naive.py`` (one allreduce per parameter after backward, ~50 lines:
+read it first); this one adds buckets, overlap with backward, ``no_sync``, comm hooks and
+unused-parameter handling, and is tested against it.
+
     ddp = DistributedDataParallel(model, comm, bucket_mb=1.0)
     loss = ddp(inputs, targets); loss.backward()    # grads = average over all ranks
     optimizer.step(); optimizer.zero_grad()          # identical update on every rank
@@ -32,9 +36,9 @@ How the communication hides behind backward (``overlap=True``)::
 
 Unused parameters. A parameter that gets no gradient would leave its bucket
 waiting forever. ``find_unused_parameters=True``: after each forward the
-autograd graph is walked from the outputs (as torch does); parameters not
-reached are marked ready (zero gradient, or what ``no_sync`` steps accumulated)
-at the start of backward, so their buckets do not wait for the end. Anything
+autograd graph is walked from the outputs (as torch does; ``autograd_graph.py``);
+parameters not reached are marked ready (zero gradient, or what ``no_sync`` steps
+accumulated) at the start of backward, so their buckets do not wait for the end. Anything
 still missing at the end is marked then. One extra small allreduce per step
 (a used-flag per parameter) tells which parameters no rank used: their
 ``grad`` stays None, as in a single process. Without the flag, a missing
@@ -43,7 +47,8 @@ gradient raises a RuntimeError at the end of backward naming the parameters.
 Frozen parameters (``requires_grad=False``) are not in any bucket. A parameter
 registered under two names (tied weights) is one gradient, bucketed once.
 
-``overlap=False`` launches every bucket after backward (for comparison);
+``overlap=False`` launches every bucket after backward (for comparison; what
+overlap can gain at most is ``overlap.py``);
 ``bucket_mb=math.inf, overlap=False`` is the naive "one flat allreduce of all
 gradients after backward".
 """
@@ -51,7 +56,6 @@ gradients after backward".
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 from collections.abc import Callable, Iterator
 
@@ -60,6 +64,7 @@ from torch import nn
 
 from ..collectives import allreduce
 from ..comm import Communicator, Handle, Waitable
+from .autograd_graph import reachable_params, tensors_in
 from .buckets import Bucket, allreduce_average, broadcast_module_state, make_buckets
 
 CommHook = Callable[[Communicator, torch.Tensor, int], Waitable]
@@ -146,9 +151,9 @@ class DistributedDataParallel(nn.Module):
         with span:
             output = self.module(*args, **kwargs)
         if torch.is_grad_enabled() and self._sync:
-            roots = [t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None]
+            roots = [t.grad_fn for t in tensors_in(output) if t.grad_fn is not None]
             if self.find_unused_parameters:
-                self._reached |= _reachable_params(roots)
+                self._reached |= reachable_params(roots)
             if self.recorder is not None:  # backward starts when autograd first reaches an output
                 for node in roots:
                     node.register_prehook(self._on_backward_reaches_output)
@@ -290,34 +295,6 @@ class DistributedDataParallel(nn.Module):
         self._next_launch = 0
         self._reached = set()
         self._backward_span = None
-
-
-def _tensors_in(output) -> list[torch.Tensor]:
-    """Every tensor in a (nested) forward output: tensors, lists, tuples, dicts, dataclasses."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, (list, tuple)):
-        return [t for item in output for t in _tensors_in(item)]
-    if isinstance(output, dict):
-        return [t for item in output.values() for t in _tensors_in(item)]
-    if dataclasses.is_dataclass(output) and not isinstance(output, type):
-        return [t for f in dataclasses.fields(output) for t in _tensors_in(getattr(output, f.name))]
-    return []
-
-
-def _reachable_params(roots) -> set[nn.Parameter]:
-    """Parameters whose AccumulateGrad node is reachable from ``roots`` (autograd nodes)."""
-    found, seen, stack = set(), set(), list(roots)
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        variable = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
-        if isinstance(variable, nn.Parameter):
-            found.add(variable)
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return found
 
 
 __all__ = ["DistributedDataParallel", "allreduce_average"]

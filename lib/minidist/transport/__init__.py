@@ -18,8 +18,9 @@ messages) and ``shm_workspace`` (the block all ranks share, for collectives).
 from __future__ import annotations
 
 from .pipe import PipeComm, allocate_pipes, resources_for_rank
-from .shm import MailboxComm, allocate_mailboxes
+from .shm import MailboxComm
 from .shm_fastpath import ShmComm
+from .shm_layout import allocate_mailboxes
 from .torch_dist import TorchComm
 
 TRANSPORTS = ("pipe", "shm", "torch")

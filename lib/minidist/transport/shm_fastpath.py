@@ -30,7 +30,8 @@ import torch
 
 from ..comm import CommStats, CompletedWork
 from ..wire import KIND_DATA, encode_header
-from .shm import MailboxComm, header_digest
+from .shm import MailboxComm
+from .shm_layout import header_digest
 
 memmove = ctypes.memmove  # torch's copy_ releases the GIL; for small copies ctypes is quicker
 

@@ -224,7 +224,7 @@ def test_back_to_back_allreduces_of_changing_sizes(algorithm):
 
 def test_reduce_scatter_needs_a_divisible_first_dimension():
     from minidist.transport import ShmComm, share_with_rank
-    from minidist.transport.shm import allocate_mailboxes
+    from minidist.transport.shm_layout import allocate_mailboxes
 
     shared = allocate_mailboxes(2, chunk=4096, slots=2)
     comm = ShmComm(0, 2, share_with_rank("shm", shared, 0, 2))

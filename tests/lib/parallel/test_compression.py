@@ -257,13 +257,14 @@ def test_dgc_with_every_component_keeps_the_ranks_identical_and_differs_from_den
 
 @pytest.mark.timeout(300)
 def test_bench_experiment_counts_bert_bytes_against_the_formulas():
-    """The bench's experiment on BERT tiny, 3 steps, 2 ranks (no timing run): measured bytes per
+    """Lecture 6's experiment on BERT tiny, 3 steps, 2 ranks (no timing run): measured bytes per
     step equal the formulas, and DGC at 99.9% sends >= 100x fewer bytes than dense."""
-    from minidist.bench import compression as bench
+    from minidist.models.bert_compression import compare_hooks
+    from minidist.parallel.compression.ablation import ROWS, CompressionBench
 
-    cfg = bench.CompressionBench(batch=2, seq=16, steps=3, warmup_stage_steps=0, loss_window=2)
-    rows = (bench.ROWS[0], bench.ROWS[1], bench.ROWS[-1])  # dense, DGC, sign EF
-    result = bench.compare_hooks(cfg, rows=rows, timing=False)
+    cfg = CompressionBench(batch=2, seq=16, steps=3, warmup_stage_steps=0, loss_window=2)
+    rows = (ROWS[0], ROWS[1], ROWS[-1])  # dense, DGC, sign EF
+    result = compare_hooks(cfg, rows=rows, timing=False)
     by_label = {r["label"]: r for r in result["rows"]}
     for r in result["rows"]:
         assert r["bytes_per_step"] == pytest.approx(r["formula_bytes"]), r["label"]

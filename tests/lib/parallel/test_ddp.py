@@ -284,7 +284,7 @@ def test_collective_work_calls_done_callbacks_once_in_the_thread_that_finished_i
 def test_overlap_bound_formula():
     """The bench's bound: after-backward step 100 ms with B = 40, C = 30; the last bucket
     holds half the bytes, so 15 ms of C can never hide: best step 100 - 70 + max(55, 30) = 85."""
-    from minidist.bench.ddp import overlap_bound
+    from minidist.parallel.overlap import overlap_bound
 
     after = {"step_s": 0.100, "backward_ms": 40.0, "comm_ms_per_step": 30.0}
     step_bound, bc_bound = overlap_bound(after, 0.5)

@@ -16,7 +16,7 @@ import workers
 from minidist import CommStats, PeerError
 from minidist.transport import MailboxComm, ShmComm, share_with_rank
 from minidist.transport.presence import PeerPresence
-from minidist.transport.shm import DEFAULT_CHUNK, allocate_mailboxes
+from minidist.transport.shm_layout import DEFAULT_CHUNK, allocate_mailboxes
 
 TRANSPORTS = ["pipe", "shm", "torch"]
 

@@ -16,11 +16,8 @@ chunk at a time, never holding more than ``budget_bytes`` of it in RAM::
     step():  for each chunk:  map its pages in ──► AdamW update (with the grads, in RAM)
                               ──► write back (msync) ──► drop the pages (madvise DONTNEED)
 
-Why the last step matters: pages of a mapped file that the process has touched count in its
-RSS, just like memory it allocated. Without dropping them, one ``step()`` would leave the whole
-state resident (the kernel evicts clean file pages only under memory pressure) and the budget
-would mean nothing. ``madvise(MADV_DONTNEED)`` on a shared file mapping removes the pages from
-this process (the data stays in the file and the page cache, which is not the process's).
+Why the last step matters, and how a chunk of a file becomes a tensor: ``files.py``. Whether
+the budget holds, measured, and the step time against torch's AdamW: ``measure.py``.
 
 The arithmetic is ``torch.optim.AdamW``'s (decoupled weight decay, Loshchilov & Hutter), element
 by element, so chunking changes nothing and the result equals torch's (the tests check it)::
@@ -41,23 +38,18 @@ master copy) of file traffic, against none for an optimizer in RAM. The files ar
 
 from __future__ import annotations
 
-import json
-import math
 import mmap
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import weakref
 from collections.abc import Iterable
 
-import numpy as np
 import torch
 
-from minidist._proc import peak_rss_bytes, reset_peak_rss, rss_bytes
+from .files import _cleanup, _StateFile
 
-__all__ = ["OffloadedAdamW", "state_bytes", "chunk_elements", "measure_offload", "measure_rss_growth"]
+__all__ = ["OffloadedAdamW", "PAGE_ELEMENTS", "TEMPORARIES", "chunk_elements", "state_bytes"]
 
 PAGE_ELEMENTS = mmap.PAGESIZE // 4  # fp32 elements in one page: chunks start on page boundaries
 TEMPORARIES = 2  # chunk-sized temporaries of the update (√v term, the grad slice as fp32)
@@ -84,44 +76,6 @@ def chunk_elements(budget_bytes: int, master_weights: bool = False) -> int:
             "raise budget_bytes to at least that"
         )
     return elements
-
-
-class _StateFile:
-    """One flat fp32 array of ``n`` elements in a file, mapped shared; views are made per chunk."""
-
-    def __init__(self, path: str, n: int) -> None:
-        self.path = path
-        self.nbytes = n * 4
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        # ftruncate makes a sparse file of zeros: nothing is written or resident until touched.
-        os.ftruncate(self.fd, self.nbytes)
-        self.map = mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_SHARED)
-
-    def view(self, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) as a tensor on the mapped pages (no copy); touching it maps them in."""
-        return torch.from_numpy(np.frombuffer(self.map, dtype=np.float32, count=hi - lo, offset=lo * 4))
-
-    def release(self, lo: int, hi: int, drop_pages: bool = True, sync: bool = True) -> None:
-        """Write elements [lo, hi) back to the file (``sync``: wait for the disk) and drop their pages."""
-        start, length = lo * 4, min(hi * 4, self.nbytes) - lo * 4
-        if sync:
-            self.map.flush(start, length)
-        if drop_pages:
-            self.map.madvise(mmap.MADV_DONTNEED, start, length)
-
-    def close(self) -> None:
-        self.map.close()
-        os.close(self.fd)
-
-
-def _cleanup(files: list[_StateFile], folder: str) -> None:
-    """Close the maps and delete the folder (also run by the garbage collector via weakref.finalize)."""
-    for f in files:
-        try:
-            f.close()
-        except (BufferError, ValueError, OSError):
-            pass  # a view still alive, or already closed: the folder is removed anyway
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 class OffloadedAdamW(torch.optim.Optimizer):
@@ -286,179 +240,3 @@ class OffloadedAdamW(torch.optim.Optimizer):
         del view
         self._files[name].release(0, self.n_params, self._drop_pages, sync=False)
         return out
-
-
-def measure_offload(
-    directory: str | os.PathLike,
-    budget_bytes: int,
-    width: int = 512,
-    layers: int = 8,
-    steps: int = 5,
-    seed: int = 0,
-    sync_to_disk: bool = True,
-) -> dict[str, float]:
-    """Step time of ``OffloadedAdamW`` against ``torch.optim.AdamW`` in RAM, on the same model and data.
-
-    Two copies of ``layers`` Linear(width, width) start equal; each trains ``steps`` steps (after one
-    warm-up step) on the same batches. Returns the median ``optimizer.step()`` time of each
-    (``offload_step_s``, ``adamw_step_s``), their ``ratio``, the parameter and state sizes, and
-    ``max_abs_diff`` between the two models' weights at the end (0.0: the same arithmetic).
-    ``offload_best_s`` and ``adamw_best_s`` are the fastest step of each: on a shared machine a
-    burst of other work can slow several steps in a row, and the best is then the steadier number.
-    """
-    import copy
-    import statistics
-    import time
-
-    torch.manual_seed(seed)
-    reference = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
-    offloaded = copy.deepcopy(reference)
-    n_params = sum(p.numel() for p in reference.parameters())
-    batches = torch.randn(steps + 1, 4, width, generator=torch.Generator().manual_seed(seed))
-    times: dict[str, list[float]] = {"adamw": [], "offload": []}
-    with OffloadedAdamW(
-        offloaded.parameters(), directory, budget_bytes, lr=1e-3, sync_to_disk=sync_to_disk
-    ) as off:
-        pairs = {
-            "adamw": (reference, torch.optim.AdamW(reference.parameters(), lr=1e-3)),
-            "offload": (offloaded, off),
-        }
-        for i, x in enumerate(batches):
-            for name, (model, opt) in pairs.items():
-                opt.zero_grad()
-                model(x).square().mean().backward()
-                start = time.perf_counter()
-                opt.step()
-                if i > 0:  # step 0 allocates torch's state and faults in the files: warm-up
-                    times[name].append(time.perf_counter() - start)
-        chunks = math.ceil(n_params / off.chunk)
-    adamw, offload = statistics.median(times["adamw"]), statistics.median(times["offload"])
-    diff = max(
-        (a - b).abs().max().item()
-        for a, b in zip(reference.parameters(), offloaded.parameters(), strict=True)
-    )
-    return {
-        "n_params": n_params,
-        "state_bytes": state_bytes(n_params),
-        "budget_bytes": budget_bytes,
-        "chunks": chunks,
-        "adamw_step_s": adamw,
-        "offload_step_s": offload,
-        "ratio": offload / adamw,
-        "adamw_best_s": min(times["adamw"]),
-        "offload_best_s": min(times["offload"]),
-        "max_abs_diff": diff,
-    }
-
-
-# --------------------------------------------------------------------------------------------
-# Resident memory: does the budget hold? (measured in a fresh child process)
-# --------------------------------------------------------------------------------------------
-def _rss_growth_here(
-    width: int, layers: int, budget_bytes: int, steps: int, drop_pages: bool, optimizer: str
-) -> dict:
-    """The measurement behind :func:`measure_rss_growth`, in this process (call it in a fresh one)."""
-    if optimizer not in ("offload", "torch"):
-        raise ValueError(f'optimizer must be "offload" or "torch", got {optimizer!r}')
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
-    n_params = sum(p.numel() for p in model.parameters())
-    x = torch.randn(4, width)
-    with tempfile.TemporaryDirectory() as directory:
-        if optimizer == "offload":
-            opt = OffloadedAdamW(model.parameters(), directory, budget_bytes, lr=1e-3)
-            opt._drop_pages = drop_pages
-        else:
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-        def forward_backward() -> None:
-            opt.zero_grad(set_to_none=False)
-            model(x).square().mean().backward()
-
-        forward_backward()
-        opt.step()
-        if optimizer == "offload" and not drop_pages:
-            # Start from a clean slate: the first step's pages out, so the growth shows them coming back.
-            for f in opt._files.values():
-                f.release(0, opt.n_params, drop_pages=True)
-        # What forward and backward alone add (weight-gradient temporaries, autograd's buffers):
-        # the overhead beside the optimizer's budget, measured, not guessed.
-        if not reset_peak_rss():
-            return {"error": "cannot reset VmHWM via /proc/self/clear_refs"}
-        baseline = rss_bytes()
-        for _ in range(steps):
-            forward_backward()
-        forward_backward_bytes = max(0, peak_rss_bytes() - baseline)
-        reset_peak_rss()
-        baseline = rss_bytes()
-        for _ in range(steps):
-            forward_backward()
-            opt.step()
-        peak = peak_rss_bytes()
-        if optimizer == "offload":
-            opt.close()
-    return {
-        "n_params": n_params,
-        "state_bytes": state_bytes(n_params),
-        "budget_bytes": budget_bytes if optimizer == "offload" else None,
-        "growth": peak - baseline,
-        "forward_backward": forward_backward_bytes,
-        "baseline": baseline,
-    }
-
-
-def measure_rss_growth(
-    width: int = 512,
-    layers: int = 12,
-    budget_bytes: int = 6 << 20,
-    steps: int = 2,
-    drop_pages: bool = True,
-    optimizer: str = "offload",
-    timeout: float = 120.0,
-) -> dict:
-    """Peak resident memory that ``steps`` training steps add, measured in a fresh child process.
-
-    The model is ``layers`` Linear(width, width) on a batch of 4, so its activations are tiny next
-    to its parameters. The child builds the model, its gradients and the optimizer, runs one step
-    (the allocator warms up, the state files exist), then measures twice from the RSS it then has:
-
-        forward_backward   peak growth over ``steps`` forward+backward passes alone
-        growth             peak growth over ``steps`` full steps (forward, backward, optimizer.step)
-
-    With ``optimizer="offload"`` the budget holds when ``growth <= budget_bytes + forward_backward``
-    (plus interpreter noise), however large ``state_bytes`` (8 per parameter: m and v) is.
-    ``drop_pages=False`` is the control: the chunks' pages stay mapped after use and the growth is
-    the whole state. ``optimizer="torch"``: ``torch.optim.AdamW`` in RAM (its state appears in the
-    first step, before the baseline: the growth is then only the step's temporaries).
-
-    A child process so that the caller's own allocations (a notebook's, pytest's) do not blur the
-    peak. Returns the child's dict, or ``{"error": ...}`` where /proc cannot reset the peak.
-    Raises RuntimeError (with the child's stderr) if it fails, TimeoutExpired after ``timeout`` s.
-    """
-    args = dict(
-        width=width,
-        layers=layers,
-        budget_bytes=budget_bytes,
-        steps=steps,
-        drop_pages=drop_pages,
-        optimizer=optimizer,
-    )
-    if optimizer not in ("offload", "torch"):
-        raise ValueError(f'optimizer must be "offload" or "torch", got {optimizer!r}')
-    if optimizer == "offload":
-        chunk_elements(budget_bytes)  # a budget below one page fails here, with its message
-    proc = subprocess.run(
-        [sys.executable, "-m", "minidist.parallel.offload", json.dumps(args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"the RSS measurement's child process failed:\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-if __name__ == "__main__":
-    print(json.dumps(_rss_growth_here(**json.loads(sys.argv[1]))))
