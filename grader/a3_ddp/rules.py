@@ -2,12 +2,13 @@
 
 The assignment is to write bucketed, overlapping data parallelism, so the implementations that
 already exist are off limits: the course library's (``minidist.parallel.ddp``, also exported as
-``md.DistributedDataParallel``, and its naive version ``minidist.parallel.ddp_naive``), torch's (``torch.nn.parallel.DistributedDataParallel``, and its
-module ``torch.nn.parallel.distributed``), and ``torch.distributed`` altogether (its
-collectives, its communication hooks). The library's bucket module
-(``minidist.parallel.buckets``: its buckets and ``allreduce_average``) is refused too: the
-grader counts ``md.allreduce`` calls. The library's collectives stay allowed -- the task is to
-*use* ``md.allreduce(comm, flat, op="sum", async_op=True)`` well -- and so does ``md.broadcast``.
+``md.DistributedDataParallel``; its naive version ``minidist.parallel.ddp_naive`` and its
+autograd-graph helpers), torch's (``torch.nn.parallel.DistributedDataParallel``, and its module
+``torch.nn.parallel.distributed``), and ``torch.distributed`` altogether (its collectives, its
+communication hooks). The library's bucket module (``minidist.parallel.buckets``: its buckets and
+``allreduce_average``) is refused too: the grader counts ``md.allreduce`` calls. The library's
+collectives stay allowed -- the task is to *use* ``md.allreduce(comm, flat, op="sum",
+async_op=True)`` well -- and so does ``md.broadcast``.
 
 Plain data, read by the intake check (``grader/forbidden.py``) and by the run time guard
 (``guard.py``, copied into the sandbox).
