@@ -196,8 +196,20 @@ def test_the_run_time_guard_refuses_every_way_to_the_library(tmp_path):
     assert "ALLOWED" not in result.stdout, result.stdout
     assert result.stdout.count("refused") == 9, result.stdout
     assert "lookups True" in result.stdout, result.stdout
-    # the communicator a submission gets: point-to-point, no workspace, no collective
-    methods = ["barrier", "irecv", "isend", "recv", "send", "stats"]
+    # the communicator a submission gets: point-to-point and the rest of the Communicator interface
+    # (no workspace, no shortcut, counters it cannot reset: test_student_comm.py), no collective
+    methods = [
+        "barrier",
+        "close",
+        "irecv",
+        "isend",
+        "recv",
+        "reset_stats",
+        "send",
+        "shared_workspace",
+        "stats",
+        "without_shortcuts",
+    ]
     assert f"point-to-point {methods}" in result.stdout, result.stdout
 
 

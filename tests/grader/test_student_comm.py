@@ -1,0 +1,27 @@
+"""The communicator a submission gets (``grader/student_comm.StudentComm``): the whole declared
+``minidist.comm.Communicator`` interface, but no shortcut past counted point-to-point messages,
+no way to reach what it wraps through a public attribute, and counters a submission cannot reset."""
+
+from __future__ import annotations
+
+import pytest
+
+from grader.student_comm import StudentComm
+from minidist.comm import Communicator, CommView
+from minidist.transport.base import BaseComm
+
+
+def test_it_is_a_communicator_without_shortcuts_or_a_public_inner():
+    comm = StudentComm(BaseComm(rank=0, world_size=2))
+    assert isinstance(comm, Communicator)
+    assert not isinstance(comm, CommView)  # a view would expose the wrapped communicator as `inner`
+    assert not hasattr(comm, "inner")
+    assert comm.shared_workspace is None
+    assert comm.without_shortcuts() is comm
+    assert (comm.rank, comm.world_size, comm.name) == (0, 2, "base")
+
+
+def test_a_submission_cannot_reset_the_counters():
+    comm = StudentComm(BaseComm(rank=0, world_size=2))
+    with pytest.raises(RuntimeError, match="cannot be reset"):
+        comm.reset_stats()
