@@ -5,7 +5,7 @@ numel (0 and fewer elements than ranks included) and any layout (a
 non-contiguous tensor is handled through a contiguous copy). They are written
 only against ``comm.send/recv/isend/irecv``, so they run on every transport.
 
-This module is the one place where a call is validated: the arguments here,
+This module is the one place where a call is validated: the arguments (``checks.py``),
 agreement between the ranks through a *signature* (``signature.py``): a checksum
 of the operation, shape, dtype, op, root and algorithm that every message of
 the collective carries as its tag, so a disagreement raises ``MessageMismatch``
@@ -34,6 +34,7 @@ from ..errors import MessageMismatch
 from . import cost_model
 from .async_ops import CollectiveWork, run_collective
 from .butterfly import butterfly_allreduce_
+from .checks import _agree_on_root, _check, _check_root, _describe, _explained
 from .ops import Flat, check_op, chunk_bounds, finish_
 from .ring import ring_allgather_, ring_reduce_scatter_
 from .rooted import star_broadcast, star_reduce, tree_broadcast, tree_reduce
@@ -42,49 +43,6 @@ from .signature import signature_tag
 
 ALLREDUCE_ALGORITHMS = ("auto", "star", "tree", "ring", "butterfly", "shm")
 ROOTED_ALGORITHMS = ("auto", "star", "tree")
-
-
-def _check(comm: Communicator, tensor, name: str) -> None:
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} expects a torch.Tensor, got {type(tensor).__name__}")
-    if not isinstance(comm, Communicator):
-        raise TypeError(
-            f"{name}(comm, tensor, ...): the first argument must be the communicator (a "
-            f"minidist.comm.Communicator), got {type(comm).__name__}"
-        )
-
-
-def _check_root(comm: Communicator, root: int, what: str) -> None:
-    if not 0 <= root < comm.world_size:
-        raise ValueError(f"{what}={root} is not a rank: ranks are 0..{comm.world_size - 1}")
-
-
-def _describe(tensor: torch.Tensor) -> str:
-    return f"{str(tensor.dtype).removeprefix('torch.')} {tuple(tensor.shape)}"
-
-
-def _explained(name: str, error: MessageMismatch) -> MessageMismatch:
-    return MessageMismatch(
-        f"{name}: the ranks do not agree ({error}). Every rank must pass a tensor of the same "
-        "shape and dtype, with the same op, root and algorithm."
-    )
-
-
-def _agree_on_root(comm: Communicator, tag: int) -> None:
-    """One ring round of empty messages that carry the signature.
-
-    Broadcast and reduce need it because their messages alone cannot expose a
-    disagreement about the root: with two ranks that each believe they are the
-    root, both would send and return (broadcast: each keeps its own tensor) or
-    both would wait for the other (reduce). If the signatures are not all equal,
-    some rank's left neighbour differs from it, and that rank raises. Cost: one
-    latency, no payload bytes.
-    """
-    p, rank = comm.world_size, comm.rank
-    nothing = torch.empty(0)
-    work = comm.isend(nothing, (rank + 1) % p, tag)
-    comm.recv(torch.empty(0), (rank - 1) % p, tag)
-    work.wait()
 
 
 def broadcast(

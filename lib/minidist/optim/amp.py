@@ -24,7 +24,7 @@ fp16 with fp32 master weights (Micikevicius et al., 2018), ``Fp16MasterWeights``
     they are unscaled, so dividing by S cannot underflow. ``DynamicLossScaler`` picks S.
 
 The functions here take the model as a factory and the data as batches (``optim`` knows no
-BERT); ``minidist.bench.large_batch`` runs them on BERT (``bert_factory``, ``bert_batches``).
+BERT); ``minidist.models.bert_experiments`` supplies BERT (``bert_factory``, ``bert_batches``).
 
 Memory per parameter with Adam (bytes; measured by ``state_bytes``):
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from minidist.bench.large_batch import bert_batches, bert_factory
+from minidist.models.bert_experiments import bert_batches, bert_factory
 from minidist.optim import DynamicLossScaler, amp
 
 BF16_TOLERANCE = 0.02  # largest |loss_bf16 - loss_fp32| over the first steps of BERT tiny (loss ~9)

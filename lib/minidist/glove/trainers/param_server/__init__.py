@@ -44,19 +44,21 @@ push is followed by its gradient rows (``send_rows``). Server 0's decision is
 all their peers at once through an ``Inbox`` (one listener thread per peer).
 
 This package: ``protocol.py`` (the messages, the plan, the reports), ``server.py`` (a
-server's loop), ``worker.py`` (a worker's loop and which rank is which), and here
-``train_param_server``, which launches them and assembles the result.
+server's loop), ``worker.py`` (a worker's loop), and here which rank is which
+(``param_server_rank``) and ``train_param_server``, which launches them and assembles the result.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ....comm import Communicator
 from ....launch import launch
 from ...model import DEFAULT_CONFIG, GloveConfig, Pairs
-from ..common import TrainResult, total_bytes, training_order
+from ..common import Clock, TrainResult, total_bytes, training_order
 from .protocol import MODES, ParamServerPlan, ServerReport, WorkerReport
-from .worker import param_server_rank
+from .server import Server
+from .worker import _worker
 
 __all__ = [
     "MODES",
@@ -66,6 +68,17 @@ __all__ = [
     "param_server_rank",
     "train_param_server",
 ]
+
+
+def param_server_rank(comm: Communicator, order: Pairs, plan: ParamServerPlan) -> ServerReport | WorkerReport:
+    """Rank ``comm.rank`` of a parameter-server run: a server below ``plan.servers``, else a worker."""
+    comm.barrier()
+    if comm.rank < plan.servers:
+        server = Server(comm, order.vocab_size, plan)
+        clock = Clock()
+        server.serve()
+        return server.report(clock())
+    return _worker(comm, order, plan)
 
 
 def train_param_server(

@@ -16,8 +16,7 @@ from ....comm import Communicator
 from ....parallel.messages import recv_rows, send_rows
 from ...model import Pairs, pair_gradients
 from ..common import Clock, batch_slices, split, step_bar
-from .protocol import DONE, PULL, PUSH, ParamServerPlan, ServerReport, WorkerReport
-from .server import Server
+from .protocol import DONE, PULL, PUSH, ParamServerPlan, WorkerReport
 
 
 def _worker(comm: Communicator, order: Pairs, plan: ParamServerPlan) -> WorkerReport:
@@ -81,14 +80,3 @@ def _worker(comm: Communicator, order: Pairs, plan: ParamServerPlan) -> WorkerRe
     for s in range(servers):
         send_rows(comm, torch.tensor([DONE, 0]), s)
     return WorkerReport(times, losses, pairs_pushed, clock(), comm.stats)
-
-
-def param_server_rank(comm: Communicator, order: Pairs, plan: ParamServerPlan) -> ServerReport | WorkerReport:
-    """Rank ``comm.rank`` of a parameter-server run: a server below ``plan.servers``, else a worker."""
-    comm.barrier()
-    if comm.rank < plan.servers:
-        server = Server(comm, order.vocab_size, plan)
-        clock = Clock()
-        server.serve()
-        return server.report(clock())
-    return _worker(comm, order, plan)
