@@ -1,4 +1,4 @@
-"""``python -m minidist.bench {p2p,launch,collectives,glove,ddp,...,model_parallel}``: see each module."""
+"""``python -m minidist.bench {p2p,launch,collectives,glove,ddp,...,model_parallel,swarm}``: see each module."""
 
 from __future__ import annotations
 
@@ -64,6 +64,9 @@ def main(argv=None) -> None:
     ddp.add_argument("--out", default=None)
     ddp.add_argument("--no-plot", action="store_true")
     sub.add_parser("large_batch", help="batches B..64B: Adam linear/sqrt scaling vs LAMB", add_help=False)
+    sub.add_parser(
+        "swarm", help="generated tokens/s locally and through swarms of 2 and 3 servers", add_help=False
+    )
     from . import compression as compression_bench  # its own arguments and main
 
     compression_bench.add_parser(sub)
@@ -76,6 +79,10 @@ def main(argv=None) -> None:
     args, rest = parser.parse_known_args(argv)
     if args.bench == "large_batch":  # its own options: python -m minidist.bench large_batch --help
         from . import large_batch as bench
+
+        return bench.main(rest)
+    if args.bench == "swarm":  # its own options: python -m minidist.bench swarm --help
+        from . import swarm as bench
 
         return bench.main(rest)
     args = parser.parse_args(argv)
