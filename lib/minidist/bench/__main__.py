@@ -1,4 +1,4 @@
-"""``python -m minidist.bench {p2p,launch,collectives,glove,ddp,...,model_parallel,swarm}``: see each module."""
+"""``python -m minidist.bench {p2p,launch,collectives,glove,ddp,...,swarm}``: see each module."""
 
 from __future__ import annotations
 
