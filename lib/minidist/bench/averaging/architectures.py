@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from ...comm import Communicator, DerivedWork, Handle
+from ...comm import Communicator
+from ...parallel.timed_hook import TimedHook
 from .._util import print_table
 from .common import AveragingBench, _batches
 
@@ -26,37 +27,6 @@ DEFAULT_CONFIGS = (
     *(("central", n, 0) for n in (2, 3, 4)),
     *(("byteps", n, k) for n in (2, 3, 4) for k in (1, 2)),
 )
-
-
-class _TimedHook:
-    """Adds up the seconds spent in the hook (call + wait): with one bucket launched after
-    backward, the communication time of the step."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.seconds = inner, 0.0
-
-    def __call__(self, comm: Communicator, flat, bucket_index):
-        start = time.perf_counter()
-        work = self.inner(comm, flat, bucket_index)
-        self.seconds += time.perf_counter() - start
-        return _TimedWork(work, self)
-
-    def close(self) -> None:
-        self.inner.close()
-
-
-class _TimedWork(DerivedWork):
-    """The hook's handle, with the time spent in ``wait()`` added to the hook's ``seconds``."""
-
-    def __init__(self, work: Handle, hook: _TimedHook) -> None:
-        super().__init__(work)
-        self.hook = hook
-
-    def wait(self, timeout: float | None = None) -> torch.Tensor | None:
-        start = time.perf_counter()
-        result = super().wait(timeout)
-        self.hook.seconds += time.perf_counter() - start
-        return result
 
 
 def _architecture_worker(comm: Communicator, cfg: AveragingBench, arch: str, n: int, k: int) -> dict:
@@ -70,7 +40,7 @@ def _architecture_worker(comm: Communicator, cfg: AveragingBench, arch: str, n: 
     if comm.rank >= n:
         report = averaging.serve_summation(comm, list(range(n)))
         return {"role": "server", "stats": vars(report.stats), "rounds": report.rounds}
-    hook = _TimedHook(averaging.make_hook(arch, comm, n, k))
+    hook = TimedHook(averaging.make_hook(arch, comm, n, k))
     try:
         group = SubComm(comm, range(n))
         torch.manual_seed(cfg.seed)
@@ -93,7 +63,7 @@ def _architecture_worker(comm: Communicator, cfg: AveragingBench, arch: str, n: 
                 received.append(delta.bytes_received)
         numel = sum(p.numel() for p in model.parameters())
     finally:
-        hook.close()
+        hook.inner.close()
     return {
         "role": "worker",
         "step_s": statistics.median(times),

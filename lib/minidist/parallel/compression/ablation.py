@@ -32,9 +32,10 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from ...comm import Communicator, DerivedWork, Handle
+from ...comm import Communicator
 from ..buckets import allreduce_average
 from ..ddp import DistributedDataParallel
+from ..timed_hook import TimedHook
 from . import dgc, traffic
 from .baselines import SignErrorFeedback, bf16_allreduce
 from .dgc import DeepGradientCompression, DGCConfig
@@ -104,35 +105,6 @@ def make_hook(cfg: CompressionBench, row: Row):
     if row.hook == "sign":
         return SignErrorFeedback()
     return allreduce_average
-
-
-class TimedHook:
-    """Wraps a comm hook and adds up the seconds spent in it: the call (compression, launch)
-    plus ``wait()`` (communication, decompression). With ``overlap=False`` the bucket is
-    waited for right after it is launched, so this is the whole cost of the hook per step."""
-
-    def __init__(self, inner) -> None:
-        self.inner, self.seconds = inner, 0.0
-
-    def __call__(self, comm: Communicator, flat_grad: torch.Tensor, bucket_index: int):
-        start = time.perf_counter()
-        work = self.inner(comm, flat_grad, bucket_index)
-        self.seconds += time.perf_counter() - start
-        return _TimedWork(work, self)
-
-
-class _TimedWork(DerivedWork):
-    """The hook's handle, with the time spent in ``wait()`` added to the hook's ``seconds``."""
-
-    def __init__(self, work: Handle, hook: TimedHook) -> None:
-        super().__init__(work)
-        self.hook = hook
-
-    def wait(self, timeout: float | None = None) -> torch.Tensor | None:
-        start = time.perf_counter()
-        result = super().wait(timeout)
-        self.hook.seconds += time.perf_counter() - start
-        return result
 
 
 class RowTrainer:
