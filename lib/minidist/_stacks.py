@@ -43,7 +43,7 @@ def _tidy_stack(text: str) -> str:
                 break
             frames.append(line)
         body = "\n".join(frames)
-        idle_queue_thread = "comm.py" in body and " in _run" in body and " in _do_" not in body
+        idle_queue_thread = "queues.py" in body and " in _run" in body and " in _do_" not in body
         if idle_queue_thread or (len(frames) > 1 and "minidist-output" in body):
             continue
         kept.append(body)

@@ -63,7 +63,10 @@ def layer_of(module: str) -> int | None:
     for index, (_, firsts) in enumerate(LAYERS):
         if parts[1] in firsts:
             return index
-    raise AssertionError(f"{module} is in no layer: add it to LAYERS in {__file__} (and to DESIGN.md)")
+    raise AssertionError(
+        f"{module} is in no layer: add its first name to a row of the layer table "
+        "in the docstring of minidist/__init__.py"
+    )
 
 
 def module_name(path: Path, lib: Path = LIB) -> str:

@@ -4,6 +4,11 @@
 ``allgather``, ``reduce_scatter``, ``barrier``; ``cost_model`` predicts what
 each costs. Every collective but barrier takes ``async_op=True`` and then returns
 a ``CollectiveWork`` handle (``async_ops``: one communication thread per communicator).
+
+Modules, in reading order: ``rooted`` (star and tree broadcast and reduce), ``ring``,
+``butterfly``, ``ops`` (operators, chunking); ``api`` (the public functions; their checks in
+``checks``, agreement between ranks through ``signature``); ``shm_allreduce`` and ``shm_sync``
+(the shared-memory speed path); ``async_ops`` (``async_op=True``); ``cost_model``.
 """
 
 from . import cost_model

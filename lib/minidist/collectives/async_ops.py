@@ -33,8 +33,9 @@ same order -- the same rule as torch.distributed.
   flight are the caller's responsibility (they may interleave with the
   collective's messages; use tags or wait first).
 
-This module is written against nothing but ``comm`` being an object: the work
-itself is a function the collectives API builds, so it runs on every transport.
+This module needs nothing of ``comm`` beyond the ``Communicator`` interface and, for views,
+``CommView.inner`` (the communicator that owns the channel): the work itself is a function
+the collectives API builds, so it runs on every transport.
 """
 
 from __future__ import annotations

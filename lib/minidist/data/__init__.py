@@ -9,8 +9,8 @@
     sampler.set_epoch(epoch); indices = list(sampler)
 
 Modules: ``sources`` (the raw text and the cache folder), ``corpus`` (article text and the
-held-out split), ``tokenizer`` (WordPiece), ``mlm`` (packing and masking), ``sampler`` (which
-rank reads what).
+held-out split), ``tokenizer`` (WordPiece), ``mlm`` (packing and masking), ``lm`` (causal-LM
+blocks for the decoder), ``sampler`` (which rank reads what).
 """
 
 from minidist.data.corpus import HELD_OUT_EVERY, clean_wiki_text, corpus_articles

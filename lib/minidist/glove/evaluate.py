@@ -9,7 +9,7 @@
   question words excluded), over the questions whose four words are in the vocabulary.
   The first five sections are *semantic*, the ``gram*`` ones *syntactic*.
 
-The files come with gensim (see DESIGN.md, Data). Random vectors score about 0 on
+The files come with gensim (see docs/library.md, "The GloVe track"). Random vectors score about 0 on
 both correlations and about 1/V on analogies: the baseline every test compares with.
 """
 

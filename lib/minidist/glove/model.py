@@ -5,8 +5,7 @@
 
 The paper uses x_max = 100 on billions of tokens. On our 1.28M tokens most counts are
 far below 100, so f would be ~0.03 for most pairs and 15 epochs would not get far;
-we default to x_max = 10, the value of Stanford's ``demo.sh`` for small corpora
-(and, judging by its cost of 0.0289, of the reference run in DESIGN.md).
+we default to x_max = 10, the value of Stanford's ``demo.sh`` for small corpora.
 
 **Layout** (as in Stanford's ``glove.c``): one table of ``2V`` rows of ``dim + 1``
 floats. Row ``i`` is word ``i``'s vector ``w_i`` with its bias ``b_i`` in the last

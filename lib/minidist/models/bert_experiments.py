@@ -1,8 +1,9 @@
 """BERT as the subject of the BERT track's experiments: the same model rebuilt on demand, and batches.
 
-The large-batch, mixed-precision and averaging experiments (``minidist.optim``, lectures 5
-and 6) take a model *factory* and a list of batches, so they know nothing about BERT; these
-two functions supply both for the course's BERT configs and text.
+Lecture 6's BERT runs -- the trust ratios beside the large-batch sweep, the averaging
+architectures, and mixed precision (``minidist.optim.amp``) -- take a model *factory* and a list
+of batches, so the code they call knows nothing about BERT; these two functions supply both for
+the course's BERT configs and text.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ weighted by its share of the batch before ``backward`` adds it to ``.grad``:
 -- the same sum data parallelism computes when rank i holds micro-batch i and the allreduce
 averages (``accumulate_gradients``; the test compares it with the one-batch gradient).
 
-The model (measured, see the README): BERT ``tiny`` runs about 0.1 s per step of 8 x 32
+The model (measured, see docs/library.md, "The BERT track"): BERT ``tiny`` runs about 0.1 s per step of 8 x 32
 tokens on one thread of the course machine, so a sweep of 12 runs over the same ~60k
 samples would take an hour. The experiment therefore trains a small classifier instead, a
 teacher-student problem that keeps what the optimisers care about (matrices, biases,

@@ -1,7 +1,7 @@
 """minidist.parallel: training patterns built on the collectives.
 
 Building blocks (variable-length messages, any-source receive) and data
-parallelism: ``NaiveDataParallel`` (``ddp_naive``: the idea in ~50 lines, one allreduce
+parallelism: ``NaiveDataParallel`` (``ddp_naive``: the idea in one short file, one allreduce
 per parameter after backward) beside ``DistributedDataParallel`` (``ddp``: hooks, buckets,
 overlap, ``no_sync``, comm hooks; the buckets themselves in ``buckets``, the walk that finds
 unused parameters in ``autograd_graph``, what overlap can gain at most in ``overlap``).

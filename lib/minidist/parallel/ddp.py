@@ -1,6 +1,6 @@
 """Distributed data parallel: every rank trains the same model on its own slice of the batch.
 
-The naive version is ``ddp_naive.py`` (one allreduce per parameter after backward, ~50 lines:
+The naive version is ``ddp_naive.py`` (one allreduce per parameter after backward, one short file:
 read it first); this one adds buckets, overlap with backward, ``no_sync``, comm hooks and
 unused-parameter handling, and is tested against it.
 

@@ -32,8 +32,8 @@ The package, one idea per module: ``recorder`` (the ``Recorder`` and its events)
 ``chrome`` (``export_chrome``: the events as a Chrome/Perfetto trace) and ``timeline``
 (``plot_timeline`` to look at them, ``overlap`` to measure how much communication hid).
 
-Layer 0: it imports nothing from minidist but the ``Communicator`` type of ``minidist.comm``
-(communicators are duck-typed), so every layer may record into it.
+A foundation: it imports nothing from minidist but the ``Communicator`` type of
+``minidist.comm``, so every layer may record into it.
 """
 
 from .chrome import chrome_trace, export_chrome

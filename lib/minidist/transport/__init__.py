@@ -8,11 +8,14 @@ name      how bytes move                              reaches
 "torch"   torch.distributed (gloo: TCP, NCCL: GPU)    several machines
 ========  ==========================================  =====================
 
-Each transport is a ``transport.base.BaseComm`` subclass; ``setup`` (in the launcher) and
-``connect`` (in the worker) are the two halves of building one. The shm
-transport is three modules: ``shm`` (the mailboxes and their protocol, the
-teaching path), ``shm_fastpath`` (``ShmComm``: a shortcut for one-slot
-messages) and ``shm_workspace`` (the block all ranks share, for collectives).
+Each transport is a ``base.BaseComm`` subclass (``base``: validation, the wire header,
+statistics, barrier; ``queues``: the per-peer threads behind ``isend``/``irecv``); ``setup``
+(in the launcher) and ``connect`` (in the worker) are the two halves of building one. Read
+``base``, then ``pipe``. The shm transport is four modules: ``shm_layout`` (the mailboxes'
+layout and why no lock is needed), ``shm`` (``MailboxComm``: their protocol, the teaching
+path; ``presence`` notices dead peers), ``shm_fastpath`` (``ShmComm``: a shortcut for
+one-slot messages) and ``shm_workspace`` (the block all ranks share, for collectives).
+``torch_dist`` goes over torch.distributed; ``emulated`` wraps any communicator in a slower link.
 """
 
 from __future__ import annotations

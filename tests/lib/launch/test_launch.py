@@ -275,3 +275,26 @@ def test_lock_from_the_wrong_context_is_explained():
     lock = multiprocessing.get_context("fork").Lock()
     with pytest.raises(ValueError, match=r"get_context\('forkserver'\)"):
         md.launch(workers.add_args, 2, args=(lock,), timeout=30)
+
+
+def test_a_timeout_stack_drops_idle_queue_threads_and_keeps_a_busy_one():
+    """The stack a LaunchTimeout shows: a transport's idle per-peer thread (parked in its queue's
+    ``_run``) is noise and goes; one stuck moving a message (``_do_recv``) and the main thread stay.
+    Built from the real file names, so moving the queue code without the filter fails here."""
+    from minidist import _stacks
+    from minidist.transport import base, queues
+
+    def frame(path, line, name):
+        return f'  File "{path}", line {line} in {name}'
+
+    idle = ["Thread 0x0001 (most recent call first):", frame(queues.__file__, 38, "_run")]
+    busy = [
+        "Thread 0x0002 (most recent call first):",
+        frame(base.__file__, 160, "_do_recv"),
+        frame(queues.__file__, 40, "_run"),
+    ]
+    main = ["Current thread 0x0003 (most recent call first):", frame("/work/student.py", 7, "ring")]
+    tidy = _stacks._tidy_stack("\n".join(idle + busy + main))
+    assert "Thread 0x0001" not in tidy
+    assert "Thread 0x0002" in tidy and "_do_recv" in tidy
+    assert "student.py" in tidy

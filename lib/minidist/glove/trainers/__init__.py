@@ -1,4 +1,6 @@
-"""The GloVe trainers; each returns a ``TrainResult`` and is tested against ``train_single``."""
+"""The GloVe trainers, read in order: ``single`` (1, the baseline), ``data_parallel`` (2),
+``model_parallel`` (3), ``param_server`` (4, a package), ``hogwild`` (5); ``common`` is what
+they share. Each returns a ``TrainResult`` and is tested against ``train_single``."""
 
 from .common import TrainResult
 from .data_parallel import train_data_parallel

@@ -15,15 +15,15 @@ and the owner of each piece (a server rank or a worker rank). A worker pushes ev
 piece it does not own to its owner, sums the pieces it owns (its own "summation
 service") and sends the averages back, then pulls every other piece's average:
 
-* ``central_server``: one extra process owns the whole bucket. Worker traffic: M out,
+* ``"central"``: one extra process owns the whole bucket. Worker traffic: M out,
   M in; the server receives n*M and sends n*M -- linear in n: the bottleneck.
-* ``sharded_server``: no extra process; worker r owns 1/n of each bucket. That is a
+* ``"sharded"``: no extra process; worker r owns 1/n of each bucket. That is a
   reduce-scatter (pushes) followed by an allgather (pulls), written as point-to-point
   messages so the parameter-server view is visible: each worker sends
   2(n-1)/n*M -- the same bytes as the ring, in n-1 messages per phase instead of n-1
   ring steps (more concurrent messages, no pipelining along a ring).
-* ``ring_allreduce``: the default DDP hook with ``algorithm="ring"`` (for comparison).
-* ``byteps``: k extra CPU-only summation servers *and* the workers' own summation
+* ``"ring"``: the default DDP hook with ``algorithm="ring"`` (for comparison).
+* ``"byteps"``: k extra CPU-only summation servers *and* the workers' own summation
   services share each bucket. BytePS (Jiang et al., OSDI 2020, section 3.2) balances
   the busiest link: a worker sends x*M to the servers plus 2(n-1)/n*(1-x)*M for the
   worker shards; a server sends n*x*M/k. Equal when ::
