@@ -110,6 +110,7 @@ def test_pids_max_stops_forking():
         "        os._exit(0)\n"
         "    ok += 1\n"
         "print(ok, failed, flush=True)\n"
+        "time.sleep(30)\n"  # stay in the group while it is counted (killed at the end)
     )
     with cgroups.SandboxGroup.create(f"test-{os.getpid()}-c", 256 * 2**20, 1024, 5, TEST_PREFIX) as group:
         script = _join(group) + f'exec {sys.executable} -c "$0"'
