@@ -19,15 +19,10 @@ import statistics
 import torch
 
 from ..comm import Communicator
-from ..models.bert_compression import GBIT, compare_hooks
+from ..models.bert_compression import compare_hooks
 from ..parallel.compression.ablation import (
     ROWS,
     CompressionBench,
-    Row,
-    RowTrainer,
-    TimedHook,
-    dgc_config,
-    formula_bytes,
 )
 from ._util import human_bytes, out_dir, print_table, save_json
 
@@ -218,20 +213,3 @@ def main(args) -> None:
         warmup_stage_steps=args.warmup_stage_steps,
     )
     run(cfg, args.out, timing=not args.no_timing)
-
-
-__all__ = [  # the experiment's names are re-exported from their homes (see the module doc)
-    "GBIT",
-    "ROWS",
-    "CompressionBench",
-    "Row",
-    "RowTrainer",
-    "TimedHook",
-    "allgather_growth",
-    "compare_hooks",
-    "dgc_config",
-    "formula_bytes",
-    "print_compression_table",
-    "print_growth_table",
-    "run",
-]

@@ -41,20 +41,6 @@ the three tables and the JSON.
 
 from __future__ import annotations
 
-from minidist.models.zero_training import (  # noqa: F401  (their old home: kept importable from here)
-    compare_with_fsdp2,
-    config,
-    fixed_mmap_threshold,
-    fsdp2_model,
-    make_data,
-    make_model,
-    model_config,
-    my_rows,
-    reference,
-    train_fsdp2,
-    train_zero,
-)
-
 from .measure import ModelParallelBench
 from .report import run
 
