@@ -25,7 +25,7 @@ help:
 	@echo "make notebooks  only the notebooks, checked against their stored outputs (nbval)"
 	@echo "make bench      the benchmarks (p2p, launch, collectives, glove, ddp, model_parallel); results in bench-results/"
 	@echo "make format     ruff format + autofix"
-	@echo "make release    regenerate assignments/ from solutions/ (instructors)"
+	@echo "make release    regenerate assignments/ and notebooks/ from solutions/ (instructors)"
 	@echo "make grade      grade the example submissions of a1 into grader-results/ (instructors)"
 	@echo "                (ASSIGNMENT=a2_async, a3_ddp, a4_compression, a5_model_parallel or a6_inference: those of a2-a6)"
 
@@ -51,7 +51,7 @@ check: lint release-check
 	$(PYTEST) tests $(FAST) $(DURATIONS) $(PYTEST_ARGS)
 
 test: lint release-check
-	$(PYTEST) tests notebooks solutions $(NBVAL) $(DURATIONS) $(PYTEST_ARGS)
+	$(PYTEST) tests solutions $(NBVAL) $(DURATIONS) $(PYTEST_ARGS)
 
 # JupyterLab in headless Chromium, as a student uses it (tests/course/browser). Chromium comes from
 # the system's packages (apt-get when run as root; else install it yourself), never downloaded.
@@ -65,10 +65,11 @@ test-browser: $(STAMP)
 test-lib: $(STAMP)
 	$(PYTEST) tests/lib $(DURATIONS) $(PYTEST_ARGS)
 
+# the solved notebooks (solutions/lectures/ and the assignments'); notebooks/ holds the student copies
 notebooks: $(STAMP)
-	$(PYTEST) notebooks solutions $(NBVAL) $(PYTEST_ARGS)
+	$(PYTEST) solutions $(NBVAL) $(PYTEST_ARGS)
 
-# assignments/ is generated from solutions/; CI fails when the committed copy is stale.
+# assignments/ and notebooks/ are generated from solutions/; CI fails when a committed copy is stale.
 release: $(STAMP)
 	$(PY) -m grader release
 

@@ -28,6 +28,8 @@ PATH_MARKERS: dict[str, tuple[str, ...]] = {
         "tests/grader/test_grade_release.py",  # installs the student repository in a fresh .venv
         # pytest runs of every assignment's public and hidden tests on the solutions and stubs
         "tests/course/test_assignments.py",
+        # two lectures' student copies run to the end (their exercises unsolved)
+        "tests/course/test_student_lectures.py",
         # the public tests of the solutions, as `make test` collects them
         "solutions/",
         # whole benchmarks and multi-node launches

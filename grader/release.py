@@ -273,10 +273,12 @@ def source_files(folder: Path) -> list[Path]:
 
 
 def assignment_names(solutions: Path) -> list[str]:
-    """Every folder of solutions/ is an assignment."""
+    """Every folder of solutions/ is an assignment, but ``lectures/`` (released into notebooks/)."""
     if not solutions.is_dir():
         raise ReleaseError(f"{solutions}: no such folder")
-    return sorted(p.name for p in solutions.iterdir() if p.is_dir() and not is_skipped(p))
+    return sorted(
+        p.name for p in solutions.iterdir() if p.is_dir() and not is_skipped(p) and p.name != "lectures"
+    )
 
 
 def build(root: Path, out: Path, names: list[str] | None = None) -> list[Path]:
@@ -358,7 +360,12 @@ def write(root: Path, assignments: Path, names: list[str] | None = None) -> list
 
 # --- command line ------------------------------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("assignments", nargs="*", metavar="ASSIGNMENT", help="default: all of solutions/")
+    parser.add_argument(
+        "assignments",
+        nargs="*",
+        metavar="ASSIGNMENT",
+        help="default: all of solutions/ ('lectures': the lecture notebooks, released into notebooks/)",
+    )
     parser.add_argument(
         "--check",
         action="store_true",
@@ -397,26 +404,41 @@ def main(args: argparse.Namespace) -> int:
         return 0
     out = (args.out or root / "assignments").resolve()
     names = args.assignments or None
+    lectures = names is None or "lectures" in names  # `release lectures` alone: only notebooks/
+    names = None if names is None else [n for n in names if n != "lectures"]
+    assignments = names is None or bool(names)
+    notebooks = root / "notebooks"
+    from . import release_lectures
+
     try:
         if args.check:
-            problems = check(root, out, names)
+            problems = check(root, out, names) if assignments else []
+            if lectures:
+                problems += release_lectures.check(root, notebooks)
             if problems:
-                print(f"{out} is out of date with {root / 'solutions'}:", file=sys.stderr)
+                print("out of date with solutions/:", file=sys.stderr)
                 for problem in problems:
                     print(f"  {problem}", file=sys.stderr)
                 print("run `python -m grader release` and commit the result", file=sys.stderr)
                 return 1
-            print(f"{out}: up to date")
+            checked = [n for n, on in ((out.name, assignments), ("notebooks", lectures)) if on]
+            print("up to date: " + ", ".join(checked))
             return 0
-        written = write(root, out, names)
+        written = write(root, out, names) if assignments else []
+        lecture_files = release_lectures.write(root, notebooks) if lectures else []
     except ReleaseError as error:
         print(f"release failed: {error}", file=sys.stderr)
         return 2
-    print(f"released {len(written)} files into {out}")
-    known = set(assignment_names(root / "solutions"))
-    for folder in sorted(p for p in out.iterdir() if p.is_dir() and not is_skipped(p)):
-        if folder.name not in known:
-            print(
-                f"warning: {folder} has no source in solutions/; delete it if it is obsolete", file=sys.stderr
-            )
+    if assignments:
+        print(f"released {len(written)} files into {out}")
+    if lectures:
+        print(f"released {len(lecture_files)} files into {notebooks}")
+    if assignments:
+        known = set(assignment_names(root / "solutions"))
+        for folder in sorted(p for p in out.iterdir() if p.is_dir() and not is_skipped(p)):
+            if folder.name not in known:
+                print(
+                    f"warning: {folder} has no source in solutions/; delete it if it is obsolete",
+                    file=sys.stderr,
+                )
     return 0

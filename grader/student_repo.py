@@ -6,7 +6,7 @@ Everything git tracks, except what students must not see or cannot use:
 * the tests of those (``tests/grader/``, ``tests/course/test_assignments.py``);
 * the instructors' parts of ``README.md`` and the Makefile targets that need ``grader/``.
 
-``assignments/`` is released fresh from ``solutions/`` (not copied), any other ``.py`` or
+``assignments/`` and ``notebooks/`` are released fresh from ``solutions/`` (not copied), any other ``.py`` or
 ``.ipynb`` file with solution regions (library code that would answer an assignment) is
 stubbed the same way, and the result is checked: no solution marker text may remain anywhere.
 """
@@ -18,9 +18,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from . import release
+from . import release, release_lectures
 
-EXCLUDED_DIRS = ("solutions/", "grader/", "tests/grader/", "assignments/")
+EXCLUDED_DIRS = ("solutions/", "grader/", "tests/grader/", "assignments/", "notebooks/")
 EXCLUDED_FILES = re.compile(r"^tests/course/test_assignments\.py$")
 _MARKER = re.compile(r"(BEGIN|END) SOLUTION")
 
@@ -43,7 +43,11 @@ def student_makefile(text: str) -> str:
     """The Makefile without the targets that run the grader."""
     text = text.replace("test: lint release-check", "test: lint")
     text = text.replace("check: lint release-check", "check: lint")
-    text = text.replace(" notebooks solutions ", " notebooks ")  # pytest paths: no solutions/ there
+    # pytest paths: no solutions/ there; the student copies of the lectures run to the end (their
+    # exercises unsolved, so their check cells print "not done yet" instead of the stored output)
+    lax = "notebooks $(NBVAL) --nbval-lax"
+    text = text.replace("$(PYTEST) tests solutions $(NBVAL)", f"$(PYTEST) tests {lax}")
+    text = text.replace("$(PYTEST) solutions $(NBVAL)", f"$(PYTEST) {lax}")
     text = re.sub(r"(?m)^\t@echo \"make (release|grade) .*\n", "", text)
     text = re.sub(r"(?ms)^# assignments/ is generated.*?(?=^format:)", "", text)
     text = text.replace(" release release-check grade", "")
@@ -71,6 +75,7 @@ def build(root: Path, out: Path) -> list[Path]:
             shutil.copy2(source, target)
         written.append(target)
     written += [out / "assignments" / p for p in release.build(root, out / "assignments")]
+    written += [out / "notebooks" / p for p in release_lectures.build(root, out / "notebooks")]
     leaks = [p for p in written if _MARKER.search(p.read_text(errors="replace"))]
     if leaks:
         raise release.ReleaseError(f"solution marker text left in {[str(p.relative_to(out)) for p in leaks]}")

@@ -18,7 +18,7 @@ every module; a module whose first name is in no row fails it). This table is th
 the layers are written down::
 
     layer        modules (the first part of the name after ``minidist.``)
-    foundations  errors comm handles wire trace optim quant measure _output _proc _stacks
+    foundations  errors comm handles wire trace optim quant measure exercise clock _output _proc _stacks
     transport    transport
     collectives  collectives
     launch       launch _torchrun
@@ -40,6 +40,7 @@ from . import collectives
 from .collectives import allgather, allreduce, barrier, broadcast, cost_model, reduce, reduce_scatter
 from .comm import CommStats, Communicator, CommView, Handle, Work
 from .errors import LaunchTimeout, MessageMismatch, PeerError, WorkerError
+from .exercise import exercise
 from .launch import launch
 from .parallel.ddp import DistributedDataParallel
 from .transport import TRANSPORTS, PipeComm, ShmComm, TorchComm
@@ -53,6 +54,7 @@ __all__ = [
     "broadcast",
     "collectives",
     "cost_model",
+    "exercise",
     "reduce",
     "reduce_scatter",
     "CommStats",

@@ -36,6 +36,8 @@ def test_the_student_repository_has_no_solution_and_its_public_tests_fail_cleanl
     # the Makefile still parses and no longer needs the grader
     dry_run = subprocess.run(["make", "-n", "test"], cwd=repo, capture_output=True, text=True, timeout=60)
     assert dry_run.returncode == 0 and "grader" not in dry_run.stdout, dry_run.stdout + dry_run.stderr
+    assert "tests notebooks --nbval" in dry_run.stdout and "--nbval-lax" in dry_run.stdout, dry_run.stdout
+    assert "notebooks/05_bert_data_parallel.ipynb" in names and "notebooks/lecture05/hooks.py" in names
     # it installs with its own setup command (a fresh .venv inside it) ... without byte-compiling
     # the ~11,000 installed modules (PIP_COMPILE=0, pip's --no-compile: about 25 of the ~60
     # CPU-seconds of the install, measured); what is imported below is compiled when imported.

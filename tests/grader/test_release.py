@@ -243,7 +243,7 @@ def copy_tree(tmp_path: Path) -> Path:
     """A throwaway copy of what the release reads and writes."""
     root = tmp_path / "repo"
     ignore = shutil.ignore_patterns("__pycache__", ".pytest_cache", ".ipynb_checkpoints")
-    for name in ["solutions", "assignments", "grader"]:
+    for name in ["solutions", "assignments", "notebooks", "grader"]:
         shutil.copytree(ROOT / name, root / name, ignore=ignore)
     shutil.copy(ROOT / "pyproject.toml", root / "pyproject.toml")
     return root

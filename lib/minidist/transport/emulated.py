@@ -49,6 +49,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..clock import wait_until
 from ..comm import Communicator, CommView, Handle, Work
 from .base import BaseComm
 from .queues import PeerQueues
@@ -70,18 +71,6 @@ class LinkSpec(NamedTuple):
 #: 20 us on commodity PCs (Hurwitz, Feng, "Initial End-to-End Performance Evaluation of
 #: 10-Gigabit Ethernet", Hot Interconnects 2003).
 ETHERNET_10G = LinkSpec(alpha_s=15e-6, bandwidth_Bps=1.25e9)
-
-_SPIN_S = 2e-4  # the last stretch of a wait is spun (sleep alone overshoots by ~60 us)
-
-
-def wait_until(deadline: float) -> None:
-    """Return at ``time.perf_counter() >= deadline``: sleep most of the way, then spin,
-    yielding the GIL (``sleep(0)``) so other threads keep running."""
-    while True:
-        remaining = deadline - time.perf_counter()
-        if remaining <= 0:
-            return
-        time.sleep(remaining - _SPIN_S if remaining > 2 * _SPIN_S else 0)
 
 
 class Link:

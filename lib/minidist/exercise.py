@@ -1,0 +1,73 @@
+"""The check cell of a lecture's "Try it": ``with md.exercise("..."):``.
+
+A lecture notebook's exercise is a function the student writes (its body is a stub,
+``raise NotImplementedError(...)``, in the copy students receive); the cell after it checks
+the function against a reference on fixed inputs::
+
+    with md.exercise("Try it 1: the reduce-scatter half of the ring"):
+        got = md.launch(lecture02.ring.reduce_scatter_worker, 4)
+        assert all(torch.equal(g, want) for g, want in zip(got, reference))
+
+Three outcomes, each printed in one line:
+
+* the body runs to the end: ``... correct``;
+* the student's function still raises ``NotImplementedError`` -- in this process or in a
+  rank that ``md.launch`` started (a ``WorkerError`` whose remote exception is one) --
+  ``... not done yet``, and the notebook goes on: Run All reaches the end of a lecture
+  whose exercises are all unsolved, because no later cell uses a student's answer;
+* any other error (a wrong answer fails its ``assert``) is raised as usual, so the student
+  sees what went wrong where it went wrong.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+
+from .errors import WorkerError
+
+__all__ = ["exercise", "is_unsolved"]
+
+NOT_DONE = (
+    "not done yet -- write the function above (it still raises NotImplementedError), then run this cell again"
+)
+
+
+def is_unsolved(error: BaseException) -> bool:
+    """Whether ``error`` is (or was caused by) a stub's ``NotImplementedError``, in any rank."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, NotImplementedError):
+            return True
+        if isinstance(error, WorkerError) and error.exc_type == "NotImplementedError":
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+class exercise:  # noqa: N801 (used as a statement: ``with md.exercise(...)``)
+    """Check one exercise; an unsolved one reports "not done yet" instead of stopping the notebook."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.solved: bool | None = None  # None until the block has run
+
+    def __enter__(self) -> exercise:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> bool:
+        if error is None:
+            self.solved = True
+            print(f"{self.name}: correct")
+            return False
+        if is_unsolved(error):
+            self.solved = False
+            print(f"{self.name}: {NOT_DONE}")
+            return True  # swallowed: the notebook goes on
+        self.solved = False
+        return False  # a wrong answer stops here, with its own message
