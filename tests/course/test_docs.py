@@ -16,6 +16,7 @@ from urllib.parse import unquote
 
 import pytest
 
+from grader import release
 from grader.student_repo import student_readme
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -172,9 +173,7 @@ def test_every_relative_link_reaches_a_file_and_a_heading(path):
 
 
 def test_every_assignment_has_a_readme_in_solutions_and_assignments():
-    names = sorted(
-        p.name for p in (ROOT / "solutions").iterdir() if p.is_dir() and not p.name.startswith((".", "_"))
-    )
+    names = release.assignment_names(ROOT / "solutions")  # every folder but lectures/
     assert names, "no assignment in solutions/"
     for name in names:
         assert (ROOT / "solutions" / name / "README.md").is_file(), name
