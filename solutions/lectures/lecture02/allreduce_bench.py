@@ -5,6 +5,7 @@ import time
 import torch
 
 import minidist as md
+from minidist.transport.emulated import EmulatedLinkComm
 
 
 def bytes_sent(comm, algorithms, numel):
@@ -35,3 +36,45 @@ def time_allreduce(comm, algorithms, nbytes, iterations, repeats):
                 md.allreduce(comm, x, algorithm=algorithm)
             best[algorithm] = min(best[algorithm], (time.perf_counter() - start) / iterations)
     return best
+
+
+def ring_input(rank, numel):
+    """Rank `rank`'s vector for the ring exercises: whole numbers, so that every order of addition
+    gives exactly the same sum (float32 holds whole numbers up to 2**24 exactly)."""
+    generator = torch.Generator().manual_seed(2000 + rank)
+    return torch.randint(-1000, 1000, (numel,), generator=generator).float()
+
+
+def run_ring(comm, ring_step, numel, start="input"):
+    """Run `ring_step(comm, flat)` (a half of the ring, or both) on this rank's ring_input.
+
+    start="input": `flat` is the rank's vector (for a reduce-scatter or a whole allreduce);
+    start="own chunk": chunk `rank` of `flat` already holds the sum, every other element is NaN
+    (for an allgather alone). Returns `flat` afterwards, the traffic `ring_step` caused, and what
+    minidist's reduce_scatter and allreduce give for the same vector.
+    """
+    p, rank = comm.world_size, comm.rank
+    flat = ring_input(rank, numel)
+    library = {"reduce_scatter": md.reduce_scatter(comm, flat), "allreduce": md.allreduce(comm, flat.clone())}
+    if start == "own chunk":
+        flat = torch.full_like(flat, float("nan"))
+        flat.view(p, -1)[rank] = library["reduce_scatter"]
+    before = comm.stats
+    ring_step(comm, flat)
+    return flat, comm.stats - before, library
+
+
+def time_emulated(comm, algorithm, nbytes, link, repeats):
+    """Seconds of each of `repeats` allreduces of `nbytes`, every rank sending over its own
+    emulated link (alpha_s, bandwidth_Bps); one untimed allreduce first."""
+    slow = EmulatedLinkComm(comm, *link)
+    x = torch.zeros(nbytes // 4)
+    md.allreduce(slow, x, algorithm=algorithm)
+    seconds = []
+    for _ in range(repeats):
+        comm.barrier()  # start together
+        start = time.perf_counter()
+        md.allreduce(slow, x, algorithm=algorithm)
+        seconds.append(time.perf_counter() - start)
+    slow.close()
+    return seconds
