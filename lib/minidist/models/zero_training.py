@@ -1,4 +1,7 @@
-"""ZeRO on a decoder: the training run that lecture 08, the ZeRO tests and the benchmark share.
+"""ZeRO on a decoder: the training run that the ZeRO tests and the benchmark share.
+
+(Lecture 08 writes its own loop out, in ``lecture08/zero_runs.py``, from the pieces here:
+:func:`config`, :func:`make_model`, :func:`make_data`, :func:`my_rows`, :func:`reference`.)
 
 ``train_zero(comm, cfg)`` is the rank body: it builds a ``DecoderLM``, wraps it in
 ``parallel.zero.ZeroOptimizer`` (stages 1, 2) or ``parallel.zero.FullyShardedModule`` (stage 3)
@@ -134,7 +137,7 @@ def train_zero(comm: Communicator, cfg: dict) -> dict:
     * ``held``: bytes this rank holds after the last step (before zero_grad) by kind
       (params, grads, optimizer), to compare with ``memory.estimate(..., zero_stage=stage)``;
     * ``padded_numel`` (the flat count the shards are cut from) and ``numel`` (the model's);
-    * ``step_s``: median step seconds, the first (warm-up) step left out;
+    * ``step_s``: median step seconds, the first (warm-up) step left out; ``step_times``: those steps';
     * ``peak_gathered_units``: stage 3 only, most units gathered at once (2 with prefetch);
     * ``peak_rss_growth``: peak RSS over the steps after the first, above the RSS after it
       (with :func:`fixed_mmap_threshold`, so that it is the peak of the step's live tensors);
@@ -182,6 +185,7 @@ def train_zero(comm: Communicator, cfg: dict) -> dict:
         "padded_numel": padded,
         "numel": sum(p.numel() for p in make_model(cfg).parameters()),
         "step_s": statistics.median(times[1:] or times),
+        "step_times": times[1:] or times,
         "peak_gathered_units": getattr(runner, "peak_gathered_units", None),
         "peak_rss_growth": peak,
         "loss": float(loss.detach()),
@@ -206,7 +210,7 @@ def fsdp2_model(cfg: dict) -> DecoderLM:
 def train_fsdp2(comm: Communicator, cfg: dict) -> dict:
     """Rank body: torch's FSDP2 (:func:`fsdp2_model`) on the same model and data; needs
     ``transport="torch"`` (a gloo process group). Returns ``state``,
-    ``step_s``, ``peak_rss_growth`` and ``loss`` measured as in :func:`train_zero`."""
+    ``step_s``, ``step_times``, ``peak_rss_growth`` and ``loss`` measured as in :func:`train_zero`."""
     fixed_mmap_threshold()
     model = fsdp2_model(cfg)
     opt = _adamw(model.parameters(), cfg)
@@ -226,6 +230,7 @@ def train_fsdp2(comm: Communicator, cfg: dict) -> dict:
     return {
         "state": state,
         "step_s": statistics.median(times[1:] or times),
+        "step_times": times[1:] or times,
         "peak_rss_growth": peak,
         "loss": float(loss.detach()),
     }
@@ -259,9 +264,10 @@ def compare_with_fsdp2(comm: Communicator, cfg: dict) -> dict:
     model and data.
 
     Per rank: final full parameters of both (``ours``, ``fsdp2``), median step seconds (first
-    step left out) and the peak RSS growth over the steps after the first
-    (``minidist.memory.peak_rss_bytes`` above the RSS after the warm-up step: what the step
-    itself allocates, gathered weights and activations), plus ours' ``bytes_sent``/``held``."""
+    step left out; ``ours_step_times``, ``fsdp2_step_times``: each step's) and the peak RSS
+    growth over the steps after the first (``minidist.memory.peak_rss_bytes`` above the RSS
+    after the warm-up step: what the step itself allocates, gathered weights and activations),
+    plus ours' ``bytes_sent``/``held``."""
     ours = train_zero(comm, {**cfg, "stage": 3})
     gc.collect()
     theirs = train_fsdp2(comm, cfg)
@@ -270,6 +276,8 @@ def compare_with_fsdp2(comm: Communicator, cfg: dict) -> dict:
         "fsdp2": theirs["state"],
         "ours_step_s": ours["step_s"],
         "fsdp2_step_s": theirs["step_s"],
+        "ours_step_times": ours["step_times"],
+        "fsdp2_step_times": theirs["step_times"],
         "ours_peak_rss_growth": ours["peak_rss_growth"],
         "fsdp2_peak_rss_growth": theirs["peak_rss_growth"],
         "ours_loss": ours["loss"],

@@ -43,6 +43,7 @@ def measure_offload(
     ``max_abs_diff`` between the two models' weights at the end (0.0: the same arithmetic).
     ``offload_best_s`` and ``adamw_best_s`` are the fastest step of each: on a shared machine a
     burst of other work can slow several steps in a row, and the best is then the steadier number.
+    ``adamw_times_s`` and ``offload_times_s``: every timed step's seconds (for a median and range).
     """
     import copy
     import statistics
@@ -85,6 +86,8 @@ def measure_offload(
         "ratio": offload / adamw,
         "adamw_best_s": min(times["adamw"]),
         "offload_best_s": min(times["offload"]),
+        "adamw_times_s": times["adamw"],
+        "offload_times_s": times["offload"],
         "max_abs_diff": diff,
     }
 

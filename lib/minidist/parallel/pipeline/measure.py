@@ -1,19 +1,20 @@
-"""The bubble measured on real processes: sleep-timed stages under a schedule, against the formula.
+"""The bubble measured on real processes: stages that wait (emulated compute), against the formula.
 
-``measure_bubble(p, m, schedule_fn)`` launches p ranks whose stages only sleep (``SleepStage``:
-sleeping takes no CPU, so p stages show their schedule's timing on a 2-core machine), runs
+``measure_bubble(p, m, schedule_fn)`` launches p ranks whose stages only wait (``SleepStage``:
+emulated compute, ``minidist.clock.wait``; waiting takes no CPU, so p stages show their
+schedule's timing on a 2-core machine), runs
 the schedule with ``executor.run_pipeline`` and returns the measured bubble beside
 ``schedules.bubble_formula`` and ``simulator.simulate``.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from ...clock import wait
 from ...comm import Communicator
 from .executor import run_pipeline, timeline_of
 from .schedules import bubble_formula, one_f_one_b
@@ -26,19 +27,20 @@ class _Sleep(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, t_forward, t_backward):
         ctx.t_backward = t_backward
-        time.sleep(t_forward)
+        wait(t_forward)
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(ctx.t_backward)
+        wait(ctx.t_backward)
         return grad, None, None
 
 
 class SleepStage(nn.Module):
-    """A stage whose work is ``time.sleep``: t_forward in forward, t_backward in backward.
+    """A stage whose work is a wait (emulated compute): t_forward in forward, t_backward in backward.
 
-    Sleeping takes no CPU, so p stages show their schedule's timing on a 2-core machine.
+    ``minidist.clock.wait`` sleeps, then spins the last 0.2 ms (a plain sleep overshoots): it
+    takes almost no CPU, so p stages show their schedule's timing on a 2-core machine.
     """
 
     def __init__(self, t_forward: float, t_backward: float) -> None:

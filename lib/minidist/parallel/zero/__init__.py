@@ -24,8 +24,9 @@ Two modules, one per idea; the formulas of the table are here, below:
     fully_sharded.py  stage 3: ``FullyShardedModule(module, comm)`` keeps only the shards and
                       gathers each unit's weights just in time (what FSDP does)
 
-``minidist.models.zero_training`` trains a decoder with either (the run lecture 08, the tests
-and the benchmark share) and compares it with one process and with torch's FSDP2.
+``minidist.models.zero_training`` trains a decoder with either (the run the tests and the
+benchmark share; lecture 08 writes the same loop out) and compares it with one process and
+with torch's FSDP2.
 """
 
 from __future__ import annotations

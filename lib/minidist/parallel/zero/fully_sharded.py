@@ -30,9 +30,15 @@ uses, and the traffic is still 3 psi (N-1)/N. Parameters that belong to no unit 
 
 ``sharded.parameters()`` are the flat local shards (with ``.grad`` after backward): a plain
 ``torch.optim.AdamW(sharded.parameters())`` steps them.
+
+To watch it work, set ``sharded.trace = []``: every unit then appends
+``(time.perf_counter(), unit name, event, non-root units gathered)`` for each event, "request"
+(its allgather is issued), "ready" (its full weights exist), "free" and "reduce-scatter".
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 from torch import nn
@@ -98,6 +104,7 @@ class _Unit:
     def start_gather(self) -> None:
         if not self.gathered and self.pending is None:
             self.pending = allgather(self.comm, self.shard.detach(), async_op=True)
+            self.owner._trace(self, "request")
 
     def gather(self) -> None:
         if self.gathered:
@@ -108,14 +115,19 @@ class _Unit:
         self.full.untyped_storage().resize_(self.padded_numel * self.full.element_size())
         self.full.data.copy_(rows.view(-1))  # through .data: no version bump for saved tensors
         self.owner._note_gathered(self)
+        self.owner._trace(self, "ready")
 
     def free(self) -> None:
+        held = self.gathered or self.pending is not None
         if self.pending is not None:  # never leave a collective behind
             self.pending.wait()
             self.pending = None
         self.full.untyped_storage().resize_(0)
+        if held:
+            self.owner._trace(self, "free")
 
     def reduce_gradient(self) -> None:
+        self.owner._trace(self, "reduce-scatter")
         world = self.comm.world_size
         pieces = [
             p.grad.reshape(-1) if p.grad is not None else torch.zeros_like(p).view(-1) for p in self.params
@@ -147,7 +159,8 @@ class FullyShardedModule(nn.Module):
             Default: ``module.word_embeddings`` if the module has such a Parameter.
 
     ``parameters()`` yields the flat shards only. ``peak_gathered_units`` is the largest number
-    of (non-root) units whose full weights were materialised at the same time.
+    of (non-root) units whose full weights were materialised at the same time. ``trace``: None,
+    or a list that receives every unit's events (see the module docstring).
     """
 
     def __init__(
@@ -156,6 +169,7 @@ class FullyShardedModule(nn.Module):
         super().__init__()
         object.__setattr__(self, "module", module)  # not a sub-module: parameters() are the shards
         self.comm, self.prefetch = comm, prefetch
+        self.trace: list | None = None  # a list here records every unit's events (module docstring)
         units = list(default_units(module) if units is None else units)
         if shared is None:
             tied = (
@@ -204,6 +218,10 @@ class FullyShardedModule(nn.Module):
 
     def _note_gathered(self, unit) -> None:
         self.peak_gathered_units = max(self.peak_gathered_units, self.gathered_units())
+
+    def _trace(self, unit: _Unit, event: str) -> None:
+        if self.trace is not None:
+            self.trace.append((time.perf_counter(), unit.name, event, self.gathered_units()))
 
     # --- forward ---------------------------------------------------------------
     def forward(self, *args, **kwargs):
