@@ -40,7 +40,7 @@ from . import collectives
 from .collectives import allgather, allreduce, barrier, broadcast, cost_model, reduce, reduce_scatter
 from .comm import CommStats, Communicator, CommView, Handle, Work
 from .errors import LaunchTimeout, MessageMismatch, PeerError, WorkerError
-from .exercise import exercise
+from .exercise import exercise, switched_off
 from .launch import launch
 from .parallel.ddp import DistributedDataParallel
 from .transport import TRANSPORTS, PipeComm, ShmComm, TorchComm
@@ -57,6 +57,7 @@ __all__ = [
     "exercise",
     "reduce",
     "reduce_scatter",
+    "switched_off",
     "CommStats",
     "DistributedDataParallel",
     "Communicator",

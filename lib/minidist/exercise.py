@@ -17,15 +17,27 @@ Three outcomes, each printed in one line:
   whose exercises are all unsolved, because no later cell uses a student's answer;
 * any other error (a wrong answer fails its ``assert``) is raised as usual, so the student
   sees what went wrong where it went wrong.
+
+A check must not pass when the student's function only calls the library's version of it.
+``switched_off`` makes the library's versions raise while the student's function runs (the
+check computes its reference first)::
+
+    want = memory.activation_bytes_per_layer(2048, 1, 12288, 96)
+    with md.switched_off("Try it 1", memory.activation_bytes_per_layer, memory.estimate):
+        got = my_activation_bytes(2048, 1, 12288, 96)
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
 from types import TracebackType
+from unittest import mock
 
 from .errors import WorkerError
 
-__all__ = ["exercise", "is_unsolved"]
+__all__ = ["exercise", "is_unsolved", "switched_off"]
 
 NOT_DONE = (
     "not done yet -- write the function above (it still raises NotImplementedError), then run this cell again"
@@ -71,3 +83,36 @@ class exercise:  # noqa: N801 (used as a statement: ``with md.exercise(...)``)
             return True  # swallowed: the notebook goes on
         self.solved = False
         return False  # a wrong answer stops here, with its own message
+
+
+@contextlib.contextmanager
+def switched_off(name: str, *targets: Callable | tuple[type, str]) -> Iterator[None]:
+    """While the block runs, each of ``targets`` raises ``AssertionError`` ("<name> asks you to write it").
+
+    A target is a function or a class, or a ``(class, "method")`` pair. A function or class is
+    replaced wherever a loaded module binds it -- the package that re-exports it, the module that
+    defines it, a module that imported it, the notebook's own globals -- so a student's answer
+    cannot reach it under another name; a class (and a pair) is switched off in the class
+    itself (its ``__init__``, or the method), which every name of it shares. Everything is
+    restored when the block ends. In ranks that ``md.launch`` starts, use it in the rank body.
+    """
+    with contextlib.ExitStack() as stack:
+        for target in targets:
+            owner, attribute = target if isinstance(target, tuple) else (target, "__init__")
+            if isinstance(owner, type):
+                label = f"{owner.__name__}" if attribute == "__init__" else f"{owner.__name__}.{attribute}"
+                places = [(owner, attribute)]
+            else:
+                label = getattr(target, "__qualname__", repr(target))
+                places = [
+                    (module, key)
+                    for module in list(sys.modules.values())
+                    for key, value in list(getattr(module, "__dict__", {}).items())
+                    if value is target
+                ]
+            off = AssertionError(
+                f"{name} asks you to write it; the library's {label} is switched off while your function runs"
+            )
+            for place, key in places:
+                stack.enter_context(mock.patch.object(place, key, side_effect=off))
+        yield
