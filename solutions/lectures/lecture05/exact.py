@@ -1,4 +1,5 @@
-"""Workers for lecture 05, sections 5 to 7: accumulation, equality with one process, PyTorch's DDP."""
+"""Workers for lecture 05, sections 5 to 8: accumulation, equality with one process, PyTorch's DDP,
+the check of a comm hook."""
 
 import contextlib
 import time
@@ -77,3 +78,18 @@ def sections_5_to_7(comm, config_name, input_ids, labels, per_rank, micro_steps,
         ours=train(comm, config_name, input_ids, labels, per_rank, steps, lr, "ours", bucket_mb=1.0),
         torch=train(comm, config_name, input_ids, labels, per_rank, steps, lr, "torch", bucket_cap_mb=1.0),
     )
+
+
+def compare_hooks(comm, config_name, input_ids, labels, per_rank, hook):
+    """Section 8's check: one backward of BERT under our DDP with the default (float32) averaging
+    and with the comm hook `hook`; per run, the averaged gradient (one flat vector) and the bytes
+    this rank sent."""
+    results = {}
+    for name, comm_hook in [("float32", None), ("hook", hook)]:
+        model, ddp = build(config_name, comm, bucket_mb=1.0, comm_hook=comm_hook)
+        rows = rows_of_step(len(input_ids), comm.rank, comm.world_size, 0, per_rank)
+        before = comm.stats.copy()
+        ddp(input_ids[rows], labels=labels[rows]).loss.backward()
+        grad = torch.cat([p.grad.flatten() for p in model.parameters()])
+        results[name] = dict(grad=grad, bytes=(comm.stats - before).bytes_sent)
+    return results

@@ -1,25 +1,32 @@
-"""Lecture 05, Try it: a DDP comm hook that sends bfloat16 gradients (half the bytes of float32)."""
+"""Lecture 05, Try it 3: a DDP comm hook that sends bfloat16 gradients (half the bytes of float32)."""
 
 import torch
 
 import minidist as md
 
 
-class Bf16Average:
-    """The handle bf16_hook returns: wait() writes the bf16 sum / world size back into flat_grad."""
+class Averaged:
+    """A comm hook's handle: wait() waits for `work`, then returns `finish()`, the averaged gradient."""
 
-    def __init__(self, work, flat_grad, low, world_size):
-        self.work, self.flat_grad, self.low, self.world_size = work, flat_grad, low, world_size
+    def __init__(self, work, finish):
+        self.work, self.finish = work, finish
 
     def wait(self, timeout=None):
-        # TRY IT: wait for the allreduce, copy its result into flat_grad, divide by the world size
         self.work.wait(timeout)
-        self.flat_grad.copy_(self.low).div_(self.world_size)
-        return self.flat_grad
+        return self.finish()
 
 
 def bf16_hook(comm, flat_grad, bucket_index):
-    # TRY IT: start a sum-allreduce of flat_grad in bfloat16; return a Bf16Average
-    low = flat_grad.to(torch.bfloat16)
+    """Start a sum-allreduce of flat_grad in bfloat16 and return at once, with a handle whose
+    wait() leaves the average over the ranks in flat_grad (float32) and returns flat_grad."""
+    # md.allreduce(..., async_op=True) returns a handle at once; the sum runs on the comm thread.
+    # Averaged(work, finish): DDP's wait() calls finish() once the allreduce has ended.
+    ### BEGIN SOLUTION TODO(Try it 3): allreduce flat_grad in bfloat16; on wait, the sum / p into flat_grad
+    low = flat_grad.to(torch.bfloat16)  # 2 bytes per value on the wire
     work = md.allreduce(comm, low, op="sum", async_op=True)
-    return Bf16Average(work, flat_grad, low, comm.world_size)
+
+    def average():  # back to float32, into the bucket, divided by the number of ranks
+        return flat_grad.copy_(low).div_(comm.world_size)
+
+    return Averaged(work, average)
+    ### END SOLUTION
