@@ -143,15 +143,27 @@ def release_lecture_notebook(text: str, where: str, max_length: int) -> str:
 
 
 def exercise_count(text: str) -> tuple[int, int]:
-    """(exercises, check cells) of a released lecture notebook: stubbed functions, cells that check."""
+    """(exercises, check cells) of a released lecture notebook.
+
+    An exercise is a top-level function or class with a stub in its body (a class whose
+    ``__init__`` and ``forward`` are both stubbed is one exercise)."""
     notebook = json.loads(text)
-    stubbed = checks = 0
+    exercises = checks = 0
     for cell in notebook.get("cells", []):
         source = "".join(cell.get("source", ""))
-        if cell.get("cell_type") == "code":
-            stubbed += source.count("raise NotImplementedError(")
-            checks += is_check_cell(source)
-    return stubbed, checks
+        if cell.get("cell_type") != "code":
+            continue
+        checks += is_check_cell(source)
+        if "raise NotImplementedError(" not in source:
+            continue
+        tree = ast.parse("\n".join(_as_python(source.split("\n"))))
+        for top in tree.body:
+            if isinstance(top, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and any(
+                isinstance(node, ast.Raise) and "NotImplementedError" in ast.unparse(node)
+                for node in ast.walk(top)
+            ):
+                exercises += 1
+    return exercises, checks
 
 
 def build(root: Path, out: Path) -> list[Path]:

@@ -38,9 +38,12 @@ def measure_offload(
     """Step time of ``OffloadedAdamW`` against ``torch.optim.AdamW`` in RAM, on the same model and data.
 
     Two copies of ``layers`` Linear(width, width) start equal; each trains ``steps`` steps (after one
-    warm-up step) on the same batches. Returns the median ``optimizer.step()`` time of each
-    (``offload_step_s``, ``adamw_step_s``), their ``ratio``, the parameter and state sizes, and
-    ``max_abs_diff`` between the two models' weights at the end (0.0: the same arithmetic).
+    warm-up step) on the same batches, one optimizer after the other: all of AdamW's steps in one
+    loop, then all of the offloaded ones in another, so that each is timed on its own, not between
+    the other's steps (whose writes to the disk it would share). Returns the median
+    ``optimizer.step()`` time of each (``offload_step_s``, ``adamw_step_s``), their ``ratio``, the
+    parameter and state sizes, and ``max_abs_diff`` between the two models' weights at the end
+    (0.0: the same arithmetic).
     ``offload_best_s`` and ``adamw_best_s`` are the fastest step of each: on a shared machine a
     burst of other work can slow several steps in a row, and the best is then the steadier number.
     ``adamw_times_s`` and ``offload_times_s``: every timed step's seconds (for a median and range).
@@ -54,22 +57,24 @@ def measure_offload(
     offloaded = copy.deepcopy(reference)
     n_params = sum(p.numel() for p in reference.parameters())
     batches = torch.randn(steps + 1, 4, width, generator=torch.Generator().manual_seed(seed))
-    times: dict[str, list[float]] = {"adamw": [], "offload": []}
+
+    def timed_steps(model: torch.nn.Module, opt) -> list[float]:
+        """Train ``model`` on every batch; the seconds of each ``opt.step()`` after the first."""
+        seconds = []
+        for i, x in enumerate(batches):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            start = time.perf_counter()
+            opt.step()
+            if i > 0:  # step 0 allocates torch's state and faults in the files: warm-up
+                seconds.append(time.perf_counter() - start)
+        return seconds
+
+    times = {"adamw": timed_steps(reference, torch.optim.AdamW(reference.parameters(), lr=1e-3))}
     with OffloadedAdamW(
         offloaded.parameters(), directory, budget_bytes, lr=1e-3, sync_to_disk=sync_to_disk
     ) as off:
-        pairs = {
-            "adamw": (reference, torch.optim.AdamW(reference.parameters(), lr=1e-3)),
-            "offload": (offloaded, off),
-        }
-        for i, x in enumerate(batches):
-            for name, (model, opt) in pairs.items():
-                opt.zero_grad()
-                model(x).square().mean().backward()
-                start = time.perf_counter()
-                opt.step()
-                if i > 0:  # step 0 allocates torch's state and faults in the files: warm-up
-                    times[name].append(time.perf_counter() - start)
+        times["offload"] = timed_steps(offloaded, off)
         chunks = math.ceil(n_params / off.chunk)
     adamw, offload = statistics.median(times["adamw"]), statistics.median(times["offload"])
     diff = max(
