@@ -1,10 +1,15 @@
 """Workers for lecture 02, sections 3 and 4: the bytes each allreduce sends, and its time."""
 
+import contextlib
 import time
+from unittest import mock
 
 import torch
 
 import minidist as md
+from minidist import collectives
+from minidist.collectives import api, butterfly, rooted, shm_allreduce
+from minidist.collectives import ring as library_ring  # not lecture02.ring, the one you write
 from minidist.transport.emulated import EmulatedLinkComm
 
 
@@ -38,6 +43,40 @@ def time_allreduce(comm, algorithms, nbytes, iterations, repeats):
     return best
 
 
+# Everywhere a rank could find a ready-made collective: the package, minidist.collectives, its modules.
+PUBLIC = ["allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "barrier"]
+ALGORITHMS = {
+    library_ring: ["ring_reduce_scatter_", "ring_allgather_"],
+    rooted: ["star_broadcast", "star_reduce", "tree_broadcast", "tree_reduce"],
+    butterfly: ["butterfly_allreduce_"],
+    shm_allreduce: ["shm_allreduce"],
+}
+SWITCHED_OFF = [(module, name) for module in (md, collectives, api) for name in PUBLIC]
+SWITCHED_OFF += [(api, "run_collective")]  # runs every public one: catches a name imported before
+SWITCHED_OFF += [  # each algorithm under its own module's name and under api's, which imported it
+    (home, name) for module, names in ALGORITHMS.items() for name in names for home in (module, api)
+]
+
+
+@contextlib.contextmanager
+def collectives_switched_off(exercise: str):
+    """Within the block, calling one of minidist's collectives raises an AssertionError."""
+
+    def refuse(name):
+        def switched_off(*args, **kwargs):
+            raise AssertionError(
+                f"{exercise} asks for send/recv only; the library's collectives are switched off "
+                f"while your function runs (it called {name})"
+            )
+
+        return switched_off
+
+    with contextlib.ExitStack() as stack:
+        for module, name in SWITCHED_OFF:
+            stack.enter_context(mock.patch.object(module, name, refuse(f"{module.__name__}.{name}")))
+        yield
+
+
 def ring_input(rank, numel):
     """Rank `rank`'s vector for the ring exercises: whole numbers, so that every order of addition
     gives exactly the same sum (float32 holds whole numbers up to 2**24 exactly)."""
@@ -45,13 +84,14 @@ def ring_input(rank, numel):
     return torch.randint(-1000, 1000, (numel,), generator=generator).float()
 
 
-def run_ring(comm, ring_step, numel, start="input"):
-    """Run `ring_step(comm, flat)` (a half of the ring, or both) on this rank's ring_input.
+def run_ring(comm, ring_step, numel, exercise, start="input"):
+    """Run `ring_step(comm, flat)` (a half of the ring, or both) on this rank's ring_input, with
+    minidist's collectives switched off while it runs (`exercise` names the Try it in the error).
 
     start="input": `flat` is the rank's vector (for a reduce-scatter or a whole allreduce);
     start="own chunk": chunk `rank` of `flat` already holds the sum, every other element is NaN
     (for an allgather alone). Returns `flat` afterwards, the traffic `ring_step` caused, and what
-    minidist's reduce_scatter and allreduce give for the same vector.
+    minidist's reduce_scatter and allreduce give for the same vector (computed before).
     """
     p, rank = comm.world_size, comm.rank
     flat = ring_input(rank, numel)
@@ -60,7 +100,8 @@ def run_ring(comm, ring_step, numel, start="input"):
         flat = torch.full_like(flat, float("nan"))
         flat.view(p, -1)[rank] = library["reduce_scatter"]
     before = comm.stats
-    ring_step(comm, flat)
+    with collectives_switched_off(exercise):  # md.reduce_scatter & co. raise while `ring_step` runs
+        ring_step(comm, flat)
     return flat, comm.stats - before, library
 
 
