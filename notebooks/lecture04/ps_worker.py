@@ -26,8 +26,9 @@ def worker_step(comm, servers, mine, step, width):
     * push: to every server, int64 ``[PUSH, step, *rows]`` (its rows of ``cat(mine.rows, mine.cols)``,
       repeats included: AdaGrad squares every gradient row on its own), then their gradient rows.
     """
-    # torch.unique(rows, return_inverse=True) gives the distinct rows and, for every row, its place
-    # among them: values[inverse] puts the pulled rows back in the order of `rows`.
+    # With rows = torch.cat([mine.rows, mine.cols]), torch.unique(rows, return_inverse=True) gives the
+    # distinct rows and, for every row, its place among them: values[inverse] puts the pulled rows
+    # back in the order of `rows`.
     raise NotImplementedError("TODO(Try it 1): pull the rows, compute their gradients, push them")
 
 

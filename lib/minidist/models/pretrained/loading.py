@@ -4,7 +4,7 @@ The repository ships the course decoder's weights (7.4 MB of fp32 under
 ``minidist/models/weights/``), made once by ``export`` (``python -m minidist.models.pretrained
 --export course``), so no machine trains it and every machine serves the same model:
 
-    load("course") ──► shipped?  minidist/models/weights/decoder-course-v1/ ── yes ──► load_decoder
+    load("course") ──► shipped?  minidist/models/weights/decoder-course-v2/ ── yes ──► load_decoder
                          │ no (a recipe without shipped weights)                      ▲
                          ▼                                                            │
                    cached in $MINIDIST_CACHE? ── no ──► train ──► save_sharded ───────┘
@@ -47,7 +47,8 @@ def _cache_path(name: str) -> Path:
 
 
 # A second process that finds the lock taken waits at most this long for the first one's
-# training (about 3 minutes on a quiet machine; far longer on a loaded one), then gives up.
+# training (about 13 minutes for "course" on a quiet machine, 789 CPU-seconds; far longer on a
+# loaded one), then gives up.
 LOCK_TIMEOUT_S = 30 * 60
 LOCK_POLL_S = 1.0
 
@@ -109,7 +110,7 @@ def _train_and_write(name: str, directory: Path) -> None:
 
 def export(name: str, directory: str | os.PathLike) -> Path:
     """Train ``RECIPES[name]`` from its seed and write it to ``directory`` (replacing a checkpoint
-    there): how the shipped weights (``shipped_dir``) were made. About 4 CPU-minutes for "course"."""
+    there): how the shipped weights (``shipped_dir``) were made. About 13 CPU-minutes for "course"."""
     directory = Path(directory)
     staging = directory.parent / f".{directory.name}.staging-{os.getpid()}"
     try:
@@ -201,7 +202,7 @@ def _check_cache(name: str, directory: Path, tok: Tokenizer) -> None:
 def main(argv: list[str] | None = None) -> int:
     """``python -m minidist.models.pretrained --export NAME [--out DIR]``: remake shipped weights.
 
-    Trains ``RECIPES[NAME]`` from its seed (about 4 CPU-minutes for "course") and writes the shards,
+    Trains ``RECIPES[NAME]`` from its seed (about 13 CPU-minutes for "course") and writes the shards,
     the index and ``training.json`` (recipe, per-step losses, held-out perplexity) to DIR, by
     default the shipped folder ``shipped_dir(NAME)``. Only an instructor who changes a recipe
     needs this; bump the recipe's version with it.

@@ -5,13 +5,14 @@ learning-rate schedule, the seed. ``train``: AdamW (weight decay on matrices onl
 rate warmed up linearly then decayed along half a cosine, gradient norm clipped to 1, batches
 drawn from the "train" split's causal-LM blocks (``data.lm_dataset``) in a seeded random order.
 Every random number comes from the recipe's seed, and training runs on ONE thread
-(``TRAIN_THREADS``): the CPU kernels split their sums differently with 1, 2 or 4 threads (4e-7
-apart after 5 steps, measured), so a fixed thread count gives the same weights on machines with
-the same kind of CPU and the same torch build. Other CPUs (other vector units) or torch versions
-differ in the last bits after a few steps, and 400 steps grow that into a different model
-(held-out perplexity 464 on an AVX2-only AMD EPYC machine against 419 on the course's
-development machines), which is why the weights are shipped rather than trained on each
-machine (the sibling ``loading``).
+(``TRAIN_THREADS``): the CPU kernels split their sums differently with 1, 2 or 4 threads (after
+5 steps of the "course" recipe the weights are up to 7e-9 apart and the losses 1e-6, measured),
+so a fixed thread count gives the same weights on machines with the same kind of CPU and the
+same torch build. Other CPUs (other vector units) or torch versions differ in the last bits
+after a few steps, and training grows that into a different model: version 1's 400 steps gave
+held-out perplexity 464 on an AVX2-only AMD EPYC machine against 419 on the course's
+development machines (version 2 was not retrained on another kind of CPU). That is why the
+weights are shipped rather than trained on each machine (the sibling ``loading``).
 """
 
 from __future__ import annotations
@@ -51,12 +52,13 @@ class Recipe:
 
 RECIPES: dict[str, Recipe] = {
     # BLOOM's layout at 1/112 of its width: 4 layers of d = 128, 4 heads, ALiBi, embedding
-    # LayerNorm, the course's 8192-token vocabulary. 1.85M parameters, 1.05M of them the word table.
+    # LayerNorm, the course's 8192-token vocabulary. 1.84M parameters, 1.05M of them the word table.
     # 1,600 steps of 16 x 128 tokens = 3.3M tokens, 1.8 epochs of the 1.84M-token train split:
-    # 786 CPU-seconds on one thread (measured on a loaded machine), plus ~10 s to tokenise the
-    # split once. Version 1 stopped at 400 steps (held-out perplexity 419): too weak a model to
-    # tell fp32, int8 and NF4 apart by perplexity (NF4 came out lower). Version 2 reaches 112,
-    # and the formats line up as they should: fp32 112.14 < bf16 112.15 < int8 112.16 < NF4 112.63.
+    # 789 CPU-seconds on one thread (1,158 s wall-clock on a loaded machine: the shipped
+    # training.json), plus ~10 s to tokenise the split once. Version 1 stopped at 400 steps
+    # (held-out perplexity 419, 253 CPU-seconds): too weak a model to tell fp32, int8 and NF4
+    # apart by perplexity (NF4 came out lower). Version 2 reaches 112, and the formats line up
+    # as they should: fp32 112.14 < bf16 112.15 < int8 112.16 < NF4 112.63.
     "course": Recipe(
         config=TransformerConfig(
             vocab_size=8192,
