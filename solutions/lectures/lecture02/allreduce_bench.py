@@ -1,13 +1,10 @@
 """Workers for lecture 02, sections 3 and 4: the bytes each allreduce sends, and its time."""
 
-import contextlib
 import time
-from unittest import mock
 
 import torch
 
 import minidist as md
-from minidist import collectives
 from minidist.collectives import api, butterfly, rooted, shm_allreduce
 from minidist.collectives import ring as library_ring  # not lecture02.ring, the one you write
 from minidist.transport.emulated import EmulatedLinkComm
@@ -43,38 +40,16 @@ def time_allreduce(comm, algorithms, nbytes, iterations, repeats):
     return best
 
 
-# Everywhere a rank could find a ready-made collective: the package, minidist.collectives, its modules.
-PUBLIC = ["allreduce", "allgather", "reduce_scatter", "broadcast", "reduce", "barrier"]
-ALGORITHMS = {
-    library_ring: ["ring_reduce_scatter_", "ring_allgather_"],
-    rooted: ["star_broadcast", "star_reduce", "tree_broadcast", "tree_reduce"],
-    butterfly: ["butterfly_allreduce_"],
-    shm_allreduce: ["shm_allreduce"],
-}
-SWITCHED_OFF = [(module, name) for module in (md, collectives, api) for name in PUBLIC]
-SWITCHED_OFF += [(api, "run_collective")]  # runs every public one: catches a name imported before
-SWITCHED_OFF += [  # each algorithm under its own module's name and under api's, which imported it
-    (home, name) for module, names in ALGORITHMS.items() for name in names for home in (module, api)
+# Every ready-made collective a rank could call instead of writing its own. md.switched_off
+# replaces each one wherever a loaded module binds it (minidist, minidist.collectives, their
+# modules, or a name your module imported itself), so that calling it raises an AssertionError.
+LIBRARY_COLLECTIVES = [
+    *(md.allreduce, md.allgather, md.reduce_scatter, md.broadcast, md.reduce, md.barrier),
+    api.run_collective,  # what each of those calls
+    *(library_ring.ring_reduce_scatter_, library_ring.ring_allgather_, butterfly.butterfly_allreduce_),
+    *(rooted.star_broadcast, rooted.star_reduce, rooted.tree_broadcast, rooted.tree_reduce),
+    shm_allreduce.shm_allreduce,
 ]
-
-
-@contextlib.contextmanager
-def collectives_switched_off(exercise: str):
-    """Within the block, calling one of minidist's collectives raises an AssertionError."""
-
-    def refuse(name):
-        def switched_off(*args, **kwargs):
-            raise AssertionError(
-                f"{exercise} asks for send/recv only; the library's collectives are switched off "
-                f"while your function runs (it called {name})"
-            )
-
-        return switched_off
-
-    with contextlib.ExitStack() as stack:
-        for module, name in SWITCHED_OFF:
-            stack.enter_context(mock.patch.object(module, name, refuse(f"{module.__name__}.{name}")))
-        yield
 
 
 def ring_input(rank, numel):
@@ -100,7 +75,7 @@ def run_ring(comm, ring_step, numel, exercise, start="input"):
         flat = torch.full_like(flat, float("nan"))
         flat.view(p, -1)[rank] = library["reduce_scatter"]
     before = comm.stats
-    with collectives_switched_off(exercise):  # md.reduce_scatter & co. raise while `ring_step` runs
+    with md.switched_off(exercise, *LIBRARY_COLLECTIVES):  # they raise while `ring_step` runs
         ring_step(comm, flat)
     return flat, comm.stats - before, library
 
