@@ -2,6 +2,7 @@
 the check of a comm hook."""
 
 import contextlib
+import pathlib
 import time
 
 import torch
@@ -98,3 +99,30 @@ def compare_hooks(comm, config_name, input_ids, labels, per_rank, hook):
         grad = torch.cat([p.grad.flatten() for p in model.parameters()])
         results[name] = dict(grad=grad, bytes=(comm.stats - before).bytes_sent)
     return results
+
+
+def returns_at_once(comm, hook, flag_file, patience=10.0):
+    """Whether `hook` starts its allreduce and returns without waiting for it, as DDP needs in
+    order to overlap: rank 1 calls its hook only once rank 0's hook has returned (rank 0 then
+    creates `flag_file`), so a hook that waits for the sum on rank 0 keeps rank 1 out of the
+    allreduce for good, and rank 1 says so after `patience` seconds. Returns the average."""
+    assert comm.world_size == 2
+    flat = torch.full((4096,), float(comm.rank + 1))
+    flag = pathlib.Path(flag_file)
+    if comm.rank == 0:
+        with md.switched_off("Try it 3", bf16_allreduce):
+            handle = hook(comm, flat, 0)
+        flag.touch()  # reached only when the hook returned before rank 1 joined the allreduce
+    else:
+        deadline = time.monotonic() + patience
+        while not flag.exists():
+            assert time.monotonic() < deadline, (
+                f"rank 0's hook did not return within {patience:g} s while rank 1 stayed out of the "
+                "allreduce: it waits for the sum. Start the allreduce with async_op=True and return "
+                "a handle at once; DDP calls wait() later, after the rest of backward"
+            )
+            time.sleep(0.01)
+        with md.switched_off("Try it 3", bf16_allreduce):
+            handle = hook(comm, flat, 0)
+    with md.switched_off("Try it 3", bf16_allreduce):
+        return handle.wait().clone()
