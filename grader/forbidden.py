@@ -79,6 +79,7 @@ TOOL_MODULES = (
     "trace",
     "profile",
     "cProfile",
+    "torch.package",  # imports modules from strings: code the intake never reads
     # the grader's own sandbox-side modules: the guard, the communicator wrapper, the workers
     "guard",
     "student_comm",
@@ -135,7 +136,12 @@ HIDDEN_DOORS = (
     "ctypes",
     "update_wrapper",  # setattr(wrapper, name, getattr(wrapped, name)) for names given as strings
     "wraps",
+    "ForwardRef",  # compiles a string, evaluated later as a type hint
+    "from_file",  # torch's: maps a file in C++, unseen by the file guard
 )
+#: dunder names a submission may bind (any other changes how Python builds its classes: a
+#: dataclass's ``__init__`` is compiled from the keys of ``__annotations__``)
+BINDABLE_DUNDERS = ("__all__", "__slots__")
 #: keywords (and strings naming them) that a submission has no use for: ``os.open(name,
 #: dir_fd=fd)`` names a file relative to a directory descriptor, out of the file guard's sight
 REFUSED_KEYWORDS = ("dir_fd", "src_dir_fd", "dst_dir_fd", "allow_pickle", "weights_only", "pickle_module")
@@ -286,6 +292,8 @@ class _Checker:
             self.refuse(node, ast.unparse(node), f"{hit} {_ALREADY}")
         elif hit := _within(dotted, self.rules.refused_imports):
             self.refuse(node, ast.unparse(node), f"{hit} is not needed here and not allowed")
+        elif (hit := _within(dotted, TOOL_MODULES)) and "." in hit:  # torch.package, as an attribute
+            self.refuse(node, ast.unparse(node), f"{hit} loads or inspects code; a submission may not use it")
         elif dotted.startswith("sys.") and dotted.split(".")[1] in (*SYS_ATTRIBUTES, "_getframe"):
             self.refuse(node, ast.unparse(node), "it reaches the interpreter's module or frame machinery")
 
@@ -371,6 +379,9 @@ class _Checker:
             self._check_reference(node)
 
     def name(self, node: ast.Name) -> None:
+        dunder = node.id.startswith("__") and node.id.endswith("__")
+        if dunder and not isinstance(node.ctx, ast.Load) and node.id not in BINDABLE_DUNDERS:
+            self.refuse(node, node.id, "it rebinds a name the interpreter gives meaning to")
         if node.id in ATTRIBUTE_BUILTINS and id(node) not in self.called and node.id not in self.aliases:
             self.refuse(
                 node, node.id, "getattr passed or renamed: an attribute whose name is computed at run time"

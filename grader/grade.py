@@ -45,6 +45,7 @@ import queue
 import re
 import secrets
 import shutil
+import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
@@ -53,7 +54,7 @@ import pytest
 import torch
 from tqdm import tqdm
 
-from . import cgroups, guard, intake, report, sandbox, similarity
+from . import cgroups, guard, intake, report, sandbox, similarity, stubs
 from .assignment import Assignment
 from .plan import GradedTest, TestResult
 from .text import clean as clean_text
@@ -65,7 +66,7 @@ HARNESS = Path(__file__).resolve().parent / "harness.py"
 #: sandbox-side modules every assignment's workers import (copied beside harness.py)
 SHARED_SANDBOX_FILES = ("guard.py", "student_comm.py", "seeding.py", "instruments.py")
 #: trusted modules whose change changes grades (part of the hash that decides what to regrade)
-TRUSTED_FILES = ("forbidden.py", "similarity.py", "assignment.py", "plan.py")
+TRUSTED_FILES = ("forbidden.py", "similarity.py", "assignment.py", "plan.py", "stubs.py")
 UID_BASE = 64000  # sandbox user ids: UID_BASE + slot, one per parallel job
 #: held by an isolated grading run: the sandbox user ids are the same in every run, and a run's
 #: cleanup kills every process of its ids, so two runs at once would kill each other's sandboxes
@@ -182,6 +183,8 @@ class Grader:
                 file=sys.stderr,
             )
         self.work_root = out / ".sandbox"
+        # isolated: the forbidden modules' files are covered by stand-ins inside every sandbox
+        self.overlays = tuple(stubs.build(self.assignment.rules, out / ".stubs")) if self.isolated else ()
         self.test_names = [t.name for t in select(self.assignment.graded_tests(0), args.tests)]
         if not self.test_names:
             raise SystemExit(f"grade: no test of {name} matches {args.tests} (glob patterns; '[[]' is a '[')")
@@ -222,6 +225,8 @@ class Grader:
             return self._all_failed(submission, "error", f"{type(error).__name__}: {error}", digest)
         finally:
             self.slots.put(slot)
+        if graded.status == "forbidden":  # refused while the probe imported it
+            return self._forbidden(graded)
         refused = next((t.message for t in graded.tests if guard.MARKER in t.message), None)
         if refused is not None:  # the run time guard caught a forbidden call: the same as at intake
             line = next(line for line in refused.splitlines() if guard.MARKER in line)
@@ -273,13 +278,14 @@ class Grader:
             (workdir / "spec.json").write_text(json.dumps({"jobs": jobs, "probe": probe}))
             (workdir / "results").mkdir()
             inside = Path(sandbox.work_mount(workdir)) if self.isolated else workdir
-            if uid is not None:
+            if uid is not None:  # the grader's files stay root's: only results/ is the sandbox's to write
                 for path in [workdir, *workdir.rglob("*")]:
-                    os.chown(path, uid, GID)
+                    path.chmod(0o755 if path.is_dir() else 0o644)
+                os.chown(workdir / "results", uid, GID)
             env = {
                 "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
                 "PYTHONPATH": str(inside),
-                "HOME": str(inside),
+                "HOME": "/tmp" if self.isolated else str(inside),  # off sys.path, writable
                 "TMPDIR": "/tmp" if self.isolated else str(workdir),
                 "PYTHONDONTWRITEBYTECODE": "1",
                 "OMP_NUM_THREADS": "1",
@@ -290,7 +296,7 @@ class Grader:
             # the sandbox process joins its cgroups first thing, as root (sandbox._join_cgroups)
             joins = group.procs_files if group is not None else ()
             isolation = sandbox.Isolation(
-                self.isolated, uid, GID if uid is not None else None, self.hide, joins
+                self.isolated, uid, GID if uid is not None else None, self.hide, joins, self.overlays
             )
             run = sandbox.run(command, workdir, env, limits, isolation)
             oom = group is not None and group.oom_killed()
@@ -311,7 +317,12 @@ class Grader:
         results = [result for result, _ in checked]
         status, reason = run.status, ""
         import_errors = [error for _, error in checked if error is not None]
-        if status == "ok" and probe is not None:
+        refused_at_import = probe is not None and guard.MARKER in probe["stderr"]
+        if status == "ok" and refused_at_import:  # the probe imports behind the guard, as the workers do
+            line = next(line for line in probe["stderr"].splitlines() if guard.MARKER in line)
+            status = "forbidden"
+            reason = f"{line[line.index(guard.MARKER) :].split('. ')[0][:300]} (refused when importing)"
+        elif status == "ok" and probe is not None:
             status = "import_error"
             code = probe["returncode"]
             how = "did not finish" if code is None else f"exited with code {code}"
@@ -327,6 +338,8 @@ class Grader:
             reason = f"importing {', '.join(self.assignment.student_files)} failed: {import_errors[0][:300]}"
         elif run.status == "timeout":
             reason = f"stopped after {self.args.timeout:g} s"
+        elif run.status == "crashed" and run.returncode is not None and run.returncode < 0:
+            reason = f"the sandboxed run was killed by {signal_name(-run.returncode)}"
         elif run.status == "crashed":
             reason = f"the sandboxed run exited with status {run.returncode}"
         if oom:
@@ -366,6 +379,14 @@ class Grader:
             return result, None
         result.passed, result.points = True, test.points
         return result, None
+
+
+def signal_name(number: int) -> str:
+    """``SIGKILL`` for 9; the number for one this system does not name."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _output(run: sandbox.RunResult, shown: int = 1500) -> str:

@@ -40,6 +40,7 @@ GRADER_MODULES = (
     "report.py",
     "sandbox.py",
     "similarity.py",
+    "stubs.py",
     "student_comm.py",
     "seeding.py",
     "text.py",

@@ -110,15 +110,21 @@ def _neuter(function: types.FunctionType, name: str, instead: str) -> None:
     function.__code__ = _refusing_code(function, refusal_message(name, instead))
 
 
-def _replace_method(owner: type, attribute: str, name: str, instead: str) -> None:
-    """Replace a method written in C (``ProcessGroup.allreduce``) by a refusing Python function."""
-
+def _refusing_function(message: str) -> types.FunctionType:
     def refused(*args, **kwargs):
         pass
 
-    refused.__code__ = _refusing_code(refused, refusal_message(name, instead))
+    refused.__code__ = _refusing_code(refused, message)
+    return refused
+
+
+def _replace_method(
+    owner: type | types.ModuleType, attribute: str, name: str, instead: str, message: str = ""
+) -> None:
+    """Replace a method or function written in C (``ProcessGroup.allreduce``, ``torch.from_file``)
+    by a refusing Python function (its message: ``message``, else the refusal of ``name``)."""
     try:
-        setattr(owner, attribute, refused)
+        setattr(owner, attribute, _refusing_function(message or refusal_message(name, instead)))
     except (AttributeError, TypeError):  # a type that cannot be changed: the intake check is all
         pass
 
@@ -236,6 +242,73 @@ def _writes(mode, flags) -> bool:
     return isinstance(flags, int) and bool(flags & _WRITE_FLAGS)
 
 
+#: set once the guard is installed: from then on compiling source text is refused (``_compile``)
+_strict: list[bool] = [False]
+#: standard library functions that compile text they generate themselves, from names they check
+#: (a dataclass's ``__init__``, a namedtuple's ``__new__``, typing's forward references)
+_STDLIB = os.path.realpath(sysconfig.get_paths()["stdlib"])
+_COMPILERS = {
+    (os.path.join(_STDLIB, "dataclasses.py"), "_create_fn"),
+    (os.path.join(_STDLIB, "collections", "__init__.py"), "namedtuple"),
+    (os.path.join(_STDLIB, "typing.py"), "__init__"),
+}
+#: torch's ways to read a file that raise no ``open`` audit event (the file is mapped in C++)
+FILE_READERS = ("torch.from_file", "torch.UntypedStorage.from_file", "torch.TypedStorage.from_file")
+
+
+#: the grader's own modules in the working directory (every other module file there is the student's)
+GRADER_FILES = ("harness.py", "workers.py", "guard.py", "rules.py", "student_comm.py", "seeding.py")
+GRADER_FILES += ("instruments.py", "reference.py")
+_trusted_roots: list[tuple[str, ...]] = [()]  # the standard library, site-packages, the library
+
+
+def _is_students(filename: str) -> bool:
+    real = os.path.realpath(filename)
+    return real in _protected and os.path.basename(real) not in GRADER_FILES
+
+
+def _compile_allowed(caller) -> bool:
+    """Whether compiling, called from frame ``caller``, is the library's own business: no frame
+    of the student's module is on the stack, or a module of the standard library, site-packages
+    or the course library is being imported between it and the compile (mpmath and sympy build
+    functions from strings at import; torch imports them lazily, maybe inside the student's
+    call). Text from the student reaches compile only through a call of the student's, with no
+    trusted import in between."""
+    frame = caller
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if _is_students(filename):
+            return False
+        if frame.f_code.co_name == "<module>" and os.path.realpath(filename).startswith(_trusted_roots[0]):
+            return True
+        frame = frame.f_back
+    return True
+
+
+def _compile(args: tuple) -> None:
+    """Refuse to compile source text made by the student's code once the guard is installed,
+    unless it is a module's own file being imported (the text equals the file on disk), one of
+    ``_COMPILERS`` at work, or the library's own business (``_compile_allowed``).
+
+    A string compiled at run time escapes every check the grader makes on the submission's file
+    before it runs (``torch.package`` imports modules from strings; ``exec`` is refused there)."""
+    source, filename = (args + (None, None))[:2]
+    caller = sys._getframe(2)  # 0: this function, 1: _audit, 2: whoever called compile
+    where = (os.path.realpath(caller.f_code.co_filename), caller.f_code.co_name)
+    if where in _COMPILERS or _compile_allowed(caller):
+        return
+    name = os.fsdecode(filename) if isinstance(filename, (str, bytes, os.PathLike)) else ""
+    if isinstance(source, (str, bytes)) and name and os.path.isfile(name):
+        with open(name, "rb") as file:
+            on_disk = file.read()
+        if on_disk == (source.encode() if isinstance(source, str) else bytes(source)):
+            return
+    raise PermissionError(
+        f"{MARKER} compiling code at run time ({name or type(source).__name__}): the grader runs the "
+        "code of your file as it reads it, not code made from strings (torch.package, exec, eval)"
+    )
+
+
 def _audit(event: str, args: tuple) -> None:
     if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
         if path := _guarded(args[0]):
@@ -261,6 +334,8 @@ def _audit(event: str, args: tuple) -> None:
         raise PermissionError(
             f"{MARKER} starting a process ({event}): a submission computes in its own process"
         )
+    elif event == "compile" and _strict[0]:
+        _compile(args)
     elif event == "exec" and args and isinstance(args[0], types.CodeType):
         filename = args[0].co_filename
         if filename.endswith(".py") and os.path.realpath(filename) in _guarded_files:
@@ -308,6 +383,12 @@ def install(modules: tuple[str, ...], names: tuple[str, ...], instead: str, proc
                     _guarded_files.update(
                         os.path.realpath(os.path.join(root, f)) for f in files if f.endswith(".py")
                     )
+    for dotted in FILE_READERS:  # whatever the assignment: a file read must pass the audit hook
+        owner, _, attribute = dotted.rpartition(".")
+        holder = _resolve(owner)
+        if isinstance(holder, (type, types.ModuleType)) and hasattr(holder, attribute):
+            why = f"{MARKER} {dotted} reads a file the grader cannot see; a submission reads no files"
+            _replace_method(holder, attribute, dotted, instead, why)
     for dotted in names:
         outer = _resolve(dotted)
         inner = getattr(outer, "__wrapped__", None)  # the real function behind a decorator
@@ -321,6 +402,7 @@ def install(modules: tuple[str, ...], names: tuple[str, ...], instead: str, proc
         _neuter(function, name, instead)
     _guarded_names.update(os.path.basename(path) for path in _guarded_files)
     roots = _library_roots(modules)
+    _trusted_roots[0] = roots
     present = _present_files(roots)
     _protected.update(present)
     sys.meta_path.insert(0, _OnlyKnownFiles(roots, present, instead))
@@ -329,6 +411,7 @@ def install(modules: tuple[str, ...], names: tuple[str, ...], instead: str, proc
     if not _installed:
         sys.addaudithook(_audit)
     _installed.add(key)
+    _strict[0] = True  # last: installing compiled the guard's own refusals
 
 
 def install_rules(rules) -> None:

@@ -86,12 +86,21 @@ def run_job(job: dict, folder: str) -> dict:
     return {"value": Encoder(folder, job["id"]).encode(outs)}
 
 
+#: the probe imports a student module as the workers do: behind the assignment's guard
+PROBE = (
+    "import importlib, sys; import guard, rules; guard.install_rules(rules); "
+    "importlib.import_module(sys.argv[1]); print('probe: imported')"
+)
+
+
 def probe_imports(modules: list[str], folder: str) -> bool:
     """Import each student module in a throwaway child first: code that calls
     sys.exit/os._exit or crashes at import time then gets a clear status (and the
-    jobs, which would all fail the same way, are not run)."""
+    jobs, which would all fail the same way, are not run). The child installs the
+    assignment's guard (``guard.py``, ``rules.py``) before the import, as every worker
+    does: no code of the student's runs unguarded, not even here."""
     for name in modules:
-        code = "import importlib, sys; importlib.import_module(sys.argv[1]); print('probe: imported')"
+        code = PROBE
         try:
             child = subprocess.run(
                 [sys.executable, "-s", "-c", code, name], capture_output=True, text=True, timeout=120

@@ -11,6 +11,9 @@ What the child gets (``run``):
     ``.git``, the output folder, the submissions) are covered by empty read-only tmpfs, and
     ``/tmp``, ``/var/tmp`` and ``/dev/shm`` are fresh private tmpfs (nothing is left in the
     real ones: they vanish with the last process of the namespace);
+  - the files of the library's forbidden modules covered by generated stand-ins (and their
+    cached ``.pyc`` by empty files; ``stubs.py``), bound first, so that no route inside the
+    sandbox -- an import, a child process, ``torch.from_file`` -- reaches their code;
   - its working directory, bind-mounted at ``/var/tmp/work`` (with ``/tmp``, its only writable places);
   - its own network namespace (only a loopback interface, up: the transports' 127.0.0.1
     ports are reachable from inside the sandbox only), IPC namespace (System V shared memory,
@@ -88,6 +91,9 @@ class Isolation:
     #: ``cgroup.procs`` files of the sandbox's cgroups (``cgroups.SandboxGroup.procs_files``):
     #: ``enter`` writes its own pid into each first thing, so everything it starts is in them
     cgroup_procs: tuple[str, ...] = ()
+    #: (source, target) file bind mounts made first in the sandbox's mount namespace: the
+    #: library's forbidden modules covered by their stand-ins (``stubs.build``)
+    overlays: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass
@@ -250,12 +256,15 @@ def enter(workdir: str, limits: Limits, isolation: Isolation) -> None:
         # and importing minidist starts OpenBLAS's.
         held = _needed_under_tmp()
         needed = [workdir, sys.prefix, sys.base_prefix, *held]
+        visible = sorted({os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, _library_folder())})
         if _libc.unshare(CLONE_NEWNS) != 0:
             raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS)")
         joined = {flag for flag in NAMESPACES.values() if _libc.unshare(flag) == 0}
         if CLONE_NEWNET in joined:  # each namespace where the kernel allows it (reported at start)
             _loopback_up()
         _mount(None, "/", None, MS_REC | MS_PRIVATE)
+        for source, target in isolation.overlays:  # first: every later view of the library has them
+            _mount(source, target, None, MS_BIND)
         shared = [p for p in world_writable_dirs() if not any(_within(n, p) for n in needed)]
         kept = _hold(held)  # the venv and minidist, when the repo is under /tmp
         # A fresh tmpfs replaces /var/tmp (or /tmp), and the working directory is bound into
@@ -265,7 +274,7 @@ def enter(workdir: str, limits: Limits, isolation: Isolation) -> None:
         _mount("tmpfs", stage, "tmpfs", MS_NOSUID | MS_NODEV, "size=256m,mode=1777")
         os.mkdir(work, 0o755)
         _mount(workdir, work, None, MS_BIND)
-        _expose(sys.base_prefix, stage)
+        _only_visible(visible, stage, skip={"/mnt"} if kept else set())
         for path in isolation.hide:
             if os.path.isdir(path):
                 _mount("tmpfs", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV, "size=4k,mode=0755")
@@ -349,7 +358,8 @@ def _init(writable: set[str]) -> None:
             status = int(reported)
         code = os.waitstatus_to_exitcode(status)
         if code < 0:  # killed by a signal: end the same way, so Popen's returncode says which
-            signal.signal(-code, signal.SIG_DFL)
+            if -code not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot be caught anyway
+                signal.signal(-code, signal.SIG_DFL)
             os.kill(os.getpid(), -code)
         os._exit(code & 0xFF)
     os.close(read)
@@ -373,6 +383,48 @@ def _init(writable: set[str]) -> None:
             status = how
     os.write(write, str(status if status is not None else 1 << 8).encode())
     os._exit(0)
+
+
+#: top-level folders of the system that a sandbox sees (read-only); every other one is covered
+SYSTEM = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr", "/etc", "/dev", "/proc", "/sys")
+SYSTEM += ("/run", "/tmp", "/var", "/boot")
+
+
+def _library_folder() -> str:
+    """The folder minidist is imported from (``lib/`` of a checkout, or site-packages)."""
+    import minidist
+
+    return os.path.dirname(os.path.dirname(os.path.realpath(minidist.__file__)))
+
+
+def _only_visible(visible: list[str], stage: str, skip: set[str]) -> None:
+    """Cover every top-level folder but the system's (``SYSTEM``) with an empty tmpfs, then
+    bind back the folders of ``visible`` (the Python installation, the virtual environment,
+    the library) at their places: the sandbox sees what it runs on and nothing else -- not a
+    course checkout's ``solutions/`` or ``grader/``, not another user's files -- wherever they
+    are. An allowlist: a folder nobody thought of is hidden too. ``skip``: top-level folders
+    already private (``/mnt`` holding ``_hold``'s binds).
+
+    A folder of ``visible`` is first bound to a holder on the stage (its own bind mounts, the
+    stand-ins of ``stubs.py``, go with it), then put back inside the tmpfs, whose folders
+    (mode 0755) anyone may traverse: a Python under ``/root`` needs no other exposure."""
+    tops = sorted(
+        path
+        for path in (os.path.join("/", name) for name in os.listdir("/"))
+        if os.path.isdir(path) and not os.path.islink(path) and path not in SYSTEM and path not in skip
+    )
+    for top in tops:
+        inside = [path for path in visible if _within(path, top)]
+        held = []
+        for index, path in enumerate(inside):
+            holder = os.path.join(stage, f".visible-{os.path.basename(top)}-{index}")
+            os.mkdir(holder, 0o755)
+            _mount(path, holder, None, MS_BIND | MS_REC)
+            held.append((holder, path))
+        _mount("tmpfs", top, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
+        for holder, path in held:
+            os.makedirs(path, 0o755, exist_ok=True)
+            _mount(holder, path, None, MS_BIND | MS_REC)
 
 
 def _needed_under_tmp() -> list[str]:
@@ -401,26 +453,6 @@ def _hold(paths: list[str]) -> list[tuple[str, str]]:
         _mount(path, holder, None, MS_BIND | MS_REC)
         held.append((holder, path))
     return held
-
-
-def _expose(path: str, stage: str) -> None:
-    """Make ``path`` (the Python installation) reachable by the sandbox user, and nothing beside it.
-
-    pyenv puts Python under ``/root``, which only root may enter. Cover the first such
-    ancestor with an empty tmpfs (hiding root's home, as it should be) and bind ``path``
-    back into it at the same place.
-    """
-    parts = Path(path).parts
-    for depth in range(2, len(parts) + 1):
-        ancestor = os.path.join(*parts[:depth])
-        if os.stat(ancestor).st_mode & 0o001 == 0:  # others may not traverse it
-            keep = os.path.join(stage, ".python")
-            os.mkdir(keep, 0o755)
-            _mount(path, keep, None, MS_BIND)
-            _mount("tmpfs", ancestor, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
-            os.makedirs(path, 0o755, exist_ok=True)
-            _mount(keep, path, None, MS_BIND)
-            return
 
 
 class _Tail(threading.Thread):
@@ -566,7 +598,12 @@ def _main(argv: list[str]) -> None:
     limits = Limits(**config["limits"])
     given = config["isolation"]
     isolation = Isolation(
-        **{**given, "hide": tuple(given["hide"]), "cgroup_procs": tuple(given["cgroup_procs"])}
+        **{
+            **given,
+            "hide": tuple(given["hide"]),
+            "cgroup_procs": tuple(given["cgroup_procs"]),
+            "overlays": tuple(tuple(pair) for pair in given["overlays"]),
+        }
     )
     enter(config["workdir"], limits, isolation)
     command = argv[argv.index("--") + 1 :]

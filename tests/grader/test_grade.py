@@ -111,9 +111,18 @@ REFUSED = {  # source -> what the refusal must name
     "def f(comm):\n    type(comm).stats = property(lambda s: 0)\n": "type(comm).stats",
     "import torch\nsetattr(torch, 'add', None)\n": "setattr(torch",
     "import time\ndel time.sleep\n": "time.sleep",
+    # code run from strings, and files read unseen (issue 25)
+    "from torch.package import PackageImporter\n": "torch.package",
+    "import torch\nP = torch.package.PackageImporter\n": "torch.package",
+    "import torch\nb = torch.from_file('x.py', size=9, dtype=torch.uint8)\n": "from_file",
+    "import torch\nb = torch.UntypedStorage.from_file('x.py', False, 9)\n": "from_file",
+    "import typing\nt = typing.ForwardRef('print(1)')\n": "ForwardRef",
+    "class A:\n    __annotations__ = {'x=print(1)': int}\n": "__annotations__",
 }
 ALLOWED = [
     "import os\nos._exit(0)\n",
+    "__all__ = ['ring_allreduce']\n",
+    "import dataclasses\n@dataclasses.dataclass\nclass Bucket:\n    size: int = 0\n",
     "import torch\nx = torch.zeros(3)\n",
     "def f(comm, t):\n    comm.send(t, 1)\n    comm.recv(t, 1)\n    comm.barrier()\n    return comm.stats\n",
     "class Ring:\n    def __init__(self):\n        self._chunks = []\n",
@@ -148,36 +157,61 @@ def test_intake_accepts_the_solution_the_stub_and_the_honest_examples():
 
 
 GUARDED = """
-import importlib, sys
+import sys
+sys.path.insert(0, sys.argv[1])
+import io
+import torch.package
+import guard, rules
+package = io.BytesIO()  # written before the guard: importing from it afterwards compiles a string
+with torch.package.PackageExporter(package) as exporter:
+    exporter.save_source_string("m", "X = 1")
+guard.install_rules(rules)
+import attempts  # a module of the working directory: the student's, as far as the guard knows
+attempts.run(package.getvalue())
+"""
+# the attempts, run from a module file in the working directory (where a submission's code lives)
+ATTEMPTS = """
+import importlib, io, sys
 import torch
 import minidist as md
-sys.path.insert(0, sys.argv[1])
-import guard, rules, student_comm
-guard.install_rules(rules)
-attempts = {
-    "md.allreduce": lambda: md.allreduce(None, torch.ones(2)),
-    "alias": lambda: md.collectives.api.broadcast(None, torch.ones(2)),
-    "getattr": lambda: getattr(md, "all" + "gather")(None, torch.ones(2)),
-    "internals": lambda: importlib.import_module("minidist.collectives.ring").ring_allgather_(1, 2, 3),
-    "reimport": lambda: (sys.modules.pop("minidist.collectives.ring"),
-                         importlib.import_module("minidist.collectives.ring")),
-    "source": lambda: open(md.collectives.ring.__file__).read(),
-    "torch": lambda: torch.distributed.all_reduce(torch.ones(2)),
-    "compiled": lambda: exec(compile("x = 1", md.collectives.ring.__file__, "exec")),
-    "process group": lambda: torch.distributed.ProcessGroup.allreduce(None, [torch.ones(2)]),
-}
-for name, attempt in attempts.items():
-    try:
-        attempt()
-    except (PermissionError, ImportError) as error:
-        assert guard.MARKER in str(error), (name, error)
-        print("refused", name)
-    else:
-        print("ALLOWED", name)
-# a module's own __getattr__ (cost_model has one) stays a lookup: a missing name is an AttributeError
-packages = [m for m in list(sys.modules.values()) if getattr(m, "__name__", "").startswith("minidist.")]
-print("lookups", all(not hasattr(m, "no_such_name_here") for m in packages))
-print("point-to-point", sorted(n for n in dir(student_comm.StudentComm) if not n.startswith("_")))
+import guard, student_comm
+
+
+def run(package):
+    attempts = {
+        "md.allreduce": lambda: md.allreduce(None, torch.ones(2)),
+        "alias": lambda: md.collectives.api.broadcast(None, torch.ones(2)),
+        "getattr": lambda: getattr(md, "all" + "gather")(None, torch.ones(2)),
+        "internals": lambda: importlib.import_module("minidist.collectives.ring").ring_allgather_(1, 2, 3),
+        "reimport": lambda: (sys.modules.pop("minidist.collectives.ring"),
+                             importlib.import_module("minidist.collectives.ring")),
+        "source": lambda: open(md.collectives.ring.__file__).read(),
+        "torch": lambda: torch.distributed.all_reduce(torch.ones(2)),
+        "compiled": lambda: exec(compile("x = 1", md.collectives.ring.__file__, "exec")),
+        "process group": lambda: torch.distributed.ProcessGroup.allreduce(None, [torch.ones(2)]),
+        # issue 25: code made from a string, and a file read the audit hook does not see
+        "string": lambda: exec("x = 1"),
+        "torch.package": lambda: torch.package.PackageImporter(io.BytesIO(package)).import_module("m"),
+        "from_file": lambda: torch.from_file(md.collectives.ring.__file__, size=9, dtype=torch.uint8),
+        "storage": lambda: torch.UntypedStorage.from_file(md.collectives.ring.__file__, False, 9),
+    }
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+        except (PermissionError, ImportError) as error:
+            assert guard.MARKER in str(error), (name, error)
+            print("refused", name)
+        else:
+            print("ALLOWED", name)
+    import dataclasses, collections  # what the standard library compiles for itself still works
+    made = dataclasses.make_dataclass("B", ["size"])(1).size, collections.namedtuple("P", "a")(2).a
+    print("generated", *made)
+    # ... and so does a package that compiles strings while it is imported, inside the student's call
+    print("imported", importlib.import_module("mpmath").mpf(1) + 1)
+    # a module's own __getattr__ (cost_model has one) stays a lookup: a missing name is an AttributeError
+    packages = [m for m in list(sys.modules.values()) if getattr(m, "__name__", "").startswith("minidist.")]
+    print("lookups", all(not hasattr(m, "no_such_name_here") for m in packages))
+    print("point-to-point", sorted(n for n in dir(student_comm.StudentComm) if not n.startswith("_")))
 """
 
 
@@ -185,6 +219,7 @@ def test_the_run_time_guard_refuses_every_way_to_the_library(tmp_path):
     for name in ("guard.py", "student_comm.py"):
         (tmp_path / name).write_bytes((ROOT / "grader" / name).read_bytes())
     (tmp_path / "rules.py").write_bytes((ROOT / "grader" / "a1_collectives" / "rules.py").read_bytes())
+    (tmp_path / "attempts.py").write_text(ATTEMPTS)
     result = subprocess.run(
         [sys.executable, "-c", GUARDED, str(tmp_path)],
         capture_output=True,
@@ -194,7 +229,8 @@ def test_the_run_time_guard_refuses_every_way_to_the_library(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ALLOWED" not in result.stdout, result.stdout
-    assert result.stdout.count("refused") == 9, result.stdout
+    assert result.stdout.count("refused") == 13, result.stdout
+    assert "generated 1 2" in result.stdout and "imported 2.0" in result.stdout, result.stdout
     assert "lookups True" in result.stdout, result.stdout
     # the communicator a submission gets: point-to-point and the rest of the Communicator interface
     # (no workspace, no shortcut, counters it cannot reset: test_student_comm.py), no collective

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from grader import grade, sandbox
+import minidist.parallel.ddp
+from grader import grade, guard, sandbox, stubs
+from grader.a3_ddp import rules as a3_rules
 
 PROTECTIONS = sandbox.probe_protections() if sys.platform == "linux" else {}
 pytestmark = pytest.mark.skipif(
@@ -27,13 +29,13 @@ pytestmark = pytest.mark.skipif(
 UID = grade.UID_BASE + 15  # the last slot: the grading batches of the tests never use it
 
 
-def run_inside(tmp_path: Path, code: str) -> sandbox.RunResult:
+def run_inside(tmp_path: Path, code: str, overlays=()) -> sandbox.RunResult:
     """Run ``python -c code`` isolated under a sandbox uid (holding the sandbox users' lock)."""
     work = tmp_path / "work"
     work.mkdir(exist_ok=True)
     os.chown(work, UID, grade.GID)
     os.chmod(tmp_path, 0o755)
-    isolation_ = sandbox.Isolation(True, UID, grade.GID, ())
+    isolation_ = sandbox.Isolation(True, UID, grade.GID, (), overlays=tuple(overlays))
     limits = sandbox.Limits(wall_seconds=60)
     with grade.sandbox_users(True):
         return sandbox.run([sys.executable, "-c", code], work, dict(os.environ), limits, isolation_)
@@ -117,3 +119,63 @@ def test_only_private_places_are_writable_and_no_new_privs(tmp_path):
         "NoNewPrivs": "1",
     }
     assert not Path("/run/lock/x").exists()
+
+
+@pytest.mark.timeout(400)
+def test_a_forbidden_module_is_its_stand_in_by_every_route(tmp_path):
+    """a3's forbidden modules covered (issue 25): an import, open, torch.from_file and a child
+    process all get the stand-in; the real file's code is nowhere in the sandbox."""
+    overlays = stubs.build(a3_rules, tmp_path / "stubs")
+    real = Path(minidist.parallel.ddp.__file__).resolve()
+    assert (str(real) in dict((t, s) for s, t in overlays)) and "def " in real.read_text()
+    code = (
+        "import subprocess, sys, torch\n"
+        f"path = {str(real)!r}\n"
+        "size = len(open(path, 'rb').read())\n"
+        "texts = [open(path).read(), bytes(torch.from_file(path, size=size, dtype=torch.uint8)).decode(),\n"
+        "         subprocess.run(['cat', path], capture_output=True, text=True).stdout]\n"
+        'print(all(t.startswith(\'"""Covered by the grader\') for t in texts), len(set(texts)))\n'
+        "from minidist.parallel.ddp import DistributedDataParallel\n"
+        "try:\n"
+        "    DistributedDataParallel(torch.nn.Linear(2, 2), None)\n"
+        "except PermissionError as error:\n"
+        "    print(str(error).split(' is ')[0])\n"
+    )
+    result = run_inside(tmp_path, code, overlays)
+    assert result.status == "ok", result.stderr
+    assert result.stdout.split("\n")[:2] == ["True 1", f"{guard.MARKER} minidist.parallel.ddp"]
+
+
+@pytest.mark.timeout(400)
+def test_a_sandbox_sees_the_environment_the_library_and_its_folder_only(tmp_path):
+    """An allowlist (issue 25): a course checkout's solutions/ and grader/, and any folder
+    outside the system's, are hidden wherever they are; Python, the venv and the library are not."""
+    root = Path(grade.ROOT)
+    secret_home = Path("/srv") if Path("/srv").is_dir() else Path("/opt")
+    secret = secret_home / f"minidist-secret-{os.getpid()}"
+    secret.mkdir()
+    (secret / "answer.py").write_text("ANSWER = 42\n")
+    try:
+        places = [
+            root / "solutions",
+            root / "grader",
+            secret / "answer.py",
+            root / "lib" / "minidist" / "__init__.py",
+            Path(sys.prefix) / "bin",
+            Path(sys.base_prefix) / "lib",
+        ]
+        code = f"import os\nfor place in {[str(p) for p in places]!r}:\n    print(os.path.exists(place))\n"
+        result = run_inside(tmp_path, code)
+    finally:
+        (secret / "answer.py").unlink()
+        secret.rmdir()
+    assert result.status == "ok", result.stderr
+    assert result.stdout.split() == ["False", "False", "False", "True", "True", "True"], result.stdout
+
+
+@pytest.mark.timeout(400)
+def test_a_killed_command_is_reported_by_its_signal(tmp_path):
+    result = run_inside(tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)\n")
+    assert (result.status, result.returncode) == ("crashed", -9)
+    assert "Traceback" not in result.stderr, result.stderr
+    assert grade.signal_name(-result.returncode) == "SIGKILL"
