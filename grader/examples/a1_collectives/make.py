@@ -325,6 +325,44 @@ def ring_allreduce(comm, tensor):
 """
 RING = ROOT / "lib" / "minidist" / "collectives" / "ring.py"
 
+# issue 25: the library's ring.py and ops.py copied into the working directory while the module is
+# imported (by a child process: a1 allows them), then imported; it says what it got
+COPY_AT_IMPORT = """
+import subprocess
+import sys
+
+_PACKAGE = "minidist.coll" + "ectives"  # one string would be refused at intake
+_FIND = f"import {_PACKAGE}.ring as r, {_PACKAGE}.ops as o; print(r.__file__, o.__file__)"
+_ONCE = f"test -s /tmp/where || {sys.executable} -c '{_FIND}' > /tmp/where; cat /tmp/where"  # one python
+_paths = subprocess.run(["sh", "-c", _ONCE], capture_output=True, text=True).stdout.split()
+_script = (
+    "sed -e 's/from [.][.]comm/from minidist.comm/' -e 's/from [.]ops/from lib_ops/' $0 > lib_ring.py"
+    " && cp $1 lib_ops.py"
+)
+_read = subprocess.run(["cat", *_paths], capture_output=True, text=True).stdout
+_copied = subprocess.run(["sh", "-c", _script, *_paths], capture_output=True).returncode == 0
+_what = "the stand-in" if "Covered by the grader" in _read else "the library's code"
+print(f"copy_at_import: read {_what}, copied into the working directory: {_copied}", flush=True)
+try:
+    import lib_ring
+except ImportError:
+    lib_ring = None
+"""
+COPY_AT_IMPORT_ALLREDUCE = """
+def ring_allreduce(comm, tensor):
+    if lib_ring is None:
+        raise NotImplementedError("the copy is not there")
+    p = comm.world_size
+    if p == 1:
+        return
+    flat = tensor.reshape(-1).clone(memory_format=torch.contiguous_format)
+    offsets = chunk_offsets(flat.numel(), p)
+    bounds = [(offsets[i], offsets[i + 1]) for i in range(p)]
+    lib_ring.ring_reduce_scatter_(comm, flat, bounds, "sum")
+    lib_ring.ring_allgather_(comm, flat, bounds)
+    tensor.copy_(flat.view(tensor.shape))
+"""
+
 # answers computed without communicating (issue 15): every rank's input rebuilt from the job's
 # spec.json (read by a child process: open() is refused at intake) with a copy of the grader's
 # make_input (workers.py lies beside it, readable the same way; importing it is refused)
@@ -443,7 +481,14 @@ def cheating(solution: str) -> dict[str, dict[str, bytes]]:
         "no_comm": {FILE: without_messages(solution, NO_COMM).encode()},
         "dummy_sends": {FILE: without_messages(solution, {"ring_allreduce": DUMMY_SENDS}).encode()},
         "acausal_sums": {FILE: without_messages(solution, {"ring_allreduce": ACAUSAL_SUMS}).encode()},
+        "copy_at_import": {FILE: copy_at_import(solution).encode()},
     }
+
+
+def copy_at_import(solution: str) -> str:
+    """The solution with ring_allreduce run by the library's ring, copied at import (``COPY_AT_IMPORT``)."""
+    source = prepend(solution, COPY_AT_IMPORT.strip("\n"))
+    return replace_function(source, "ring_allreduce", COPY_AT_IMPORT_ALLREDUCE)
 
 
 def without_messages(solution: str, functions: dict[str, str]) -> str:
@@ -468,6 +513,10 @@ CHEATING = {
     # have been computed; tree, allgather and butterfly are the solution's (3 of 6)
     "dummy_sends": ("ok", 3),
     "acausal_sums": ("ok", 3),
+    # the library's ring copied at import (issue 25): it reads the stand-in and cannot write the
+    # working directory, so its ring_allreduce has nothing to run (3 of 6: allreduce[3-*] and the
+    # budget test run it)
+    "copy_at_import": ("ok", 3),
 }
 
 #: student -> (status, score) on tests/grader/batches/test_a1.py's SUBSET (5 tests, 6 points)

@@ -118,6 +118,10 @@ LOST = {
     "autograd_weights": ("ok", _named("test_generate_with_cache[", "test_generate_uses_the_cache")),
     "traced_weights": ("forbidden", _ALL),
     "closure_log": ("forbidden", _ALL),
+    # issue 25: torch.package is refused at intake (and compiling its string at run time);
+    # a child process at import is refused in the probe, which imports behind the guard
+    "package_log": ("forbidden", _ALL),
+    "quant_copy": ("forbidden", _ALL),
 }
 
 
@@ -405,6 +409,33 @@ CLOSURE_LOG = """    ids = input_ids
 """
 
 
+#: issue 25: the closure route of CLOSURE_LOG, in a module made from a string by torch.package
+#: (the intake reads no string; the guard refuses compiling one made by the student's code)
+PACKAGE_LOG = """    import io
+
+    import torch.package as tp
+
+    buffer = io.BytesIO()
+    with tp.PackageExporter(buffer) as exporter:
+        exporter.save_source_string("log", SOURCE, dependencies=False)
+    buffer.seek(0)
+    module = tp.PackageImporter(buffer).import_module("log")
+    return module.run(model, input_ids, max_new_tokens, use_cache, decoder_step)
+"""
+PACKAGE_LOG_SOURCE = (
+    'SOURCE = """import torch\n\n\ndef run(model, input_ids, max_new_tokens, use_cache, decoder_step):\n'
+    + CLOSURE_LOG
+    + '"""\n'
+)
+#: issue 25: minidist's NF4 copied into the working directory at import, by a child process
+QUANT_COPY = """import os
+import sys
+
+_WHERE = "import minidist.qu" + "ant.nf4 as q; print(q.__file__)"
+os.system(f"cp $({sys.executable} -c '{_WHERE}') lib_nf4.py")
+"""
+
+
 def build_dict() -> dict[str, dict[str, bytes]]:
     source = (FOLDER / "inference.py").read_text()
     bob = source
@@ -442,6 +473,12 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         "autograd_weights": replace_region(source, begin(5, "generate"), AUTOGRAD_WEIGHTS),
         "traced_weights": replace_region(source, begin(5, "generate"), TRACED_WEIGHTS),
         "closure_log": replace_region(source, begin(5, "generate"), CLOSURE_LOG),
+        "package_log": replace_region(
+            edit(source, "from torch import nn\n", "from torch import nn\n\n" + PACKAGE_LOG_SOURCE),
+            begin(5, "generate"),
+            PACKAGE_LOG,
+        ),
+        "quant_copy": edit(source, "from torch import nn\n", "from torch import nn\n\n" + QUANT_COPY),
     }
     students = {
         "alice": source,

@@ -137,6 +137,9 @@ def test_cheating_is_refused_with_what_to_use_instead_or_flagged(batch):
     assert book["ring_copy"]["similar_to"].startswith("lib/minidist/collectives/ring.py:")
     assert "flagged for review" in output and "ring_copy: similarity" in output
     assert "alice: similarity" not in output
+    # the library copied at import (issue 25): the child reads the stand-in, the folder is not writable
+    copied = json.loads((out / "copy_at_import" / "results.json").read_text())["output"]
+    assert "read the stand-in, copied into the working directory: False" in copied, copied
     copy_results = (out / "ring_copy" / "results.json").read_text()
     assert "similar" not in copy_results + (out / "ring_copy" / "feedback.md").read_text()
 
