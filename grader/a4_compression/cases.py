@@ -20,7 +20,10 @@ a seed per student (other vectors, sequences, models and data).
   transport's own byte count, through the warm-up (task 5);
 * convergence: an MLP on 2 ranks at 99% sparsity, sending by one asynchronous allgather of
   8 k bytes per bucket and step only, reaches a loss within a factor of dense momentum SGD on
-  the same batches; the loss is computed by the grader from the parameters the ranks report.
+  the same batches; the loss is computed by the grader from the parameters the ranks report;
+* in every test of the hook (the last three kinds): what SGD applied is, every step and bucket,
+  the mean of the payloads the ranks allgathered (the grader logs them and unpacks them
+  itself), and the ranks end bit for bit equal (``reference.applied_check``).
 
 The folder holding the student's ``dgc.py`` must be on PYTHONPATH; it is imported only in the
 worker processes. Each ``Case`` carries its points; ``grading.py`` declares the assignment.

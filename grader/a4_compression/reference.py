@@ -293,9 +293,8 @@ def feedback_check(what: str, spec: dict):
 def simulation_check(what: str, spec: dict):
     def check(outs: list) -> None:
         params, _ = simulate(spec)
+        applied_check(what, spec, outs)
         for rank, out in enumerate(outs):
-            if not isinstance(out["params"], dict) or set(out["params"]) != set(params):
-                raise AssertionError(f"{what}: rank {rank}: the parameters' names differ from the model's")
             for name, value in params.items():
                 where = f"{what}: rank {rank}, '{name}' after {spec['steps']} SGD steps"
                 assert_close(where, out["params"][name], value, RTOL32, ATOL32)
@@ -328,9 +327,150 @@ def _check_sends(where: str, out: dict, step: int, config: dict) -> list[int]:
     return expected
 
 
+# --- what SGD applied: the mean of what was allgathered ----------------------------------------
+EPS32 = torch.finfo(torch.float32).eps
+
+
+def unpacked(where: str, payload: torch.Tensor, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grader's own reading of one payload in the wire format of ``pack``, int32
+    ``[value bits (k) | indices (k)]``: (indices as int64, values as float32).
+
+    It must be what the compressor writes: a 1-d int32 tensor of 2 k slots whose pairs, padding
+    (index 0, value bits 0) aside, lie at distinct indices of the bucket (0 .. numel - 1).
+    """
+    if payload.dtype != torch.int32 or payload.dim() != 1 or payload.numel() % 2:
+        raise AssertionError(f"{where}: the payload is not pack's wire format (1-d int32, 2 k slots)")
+    k = payload.numel() // 2
+    bits, indices = payload[:k], payload[k:].long()
+    real = indices[(bits != 0) | (indices != 0)]
+    if ((real < 0) | (real >= numel)).any():
+        raise AssertionError(f"{where}: the payload holds an index outside the bucket (0..{numel - 1})")
+    if real.unique().numel() != real.numel():
+        raise AssertionError(f"{where}: the payload holds an index twice; send each chosen index once")
+    return indices, bits.view(torch.float32)
+
+
+def _same_bits(a, b) -> bool:
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _hooks_by_step(where: str, out: dict, steps: int) -> list[list[tuple[int, int, int]]]:
+    """Each step's hook calls as (bucket index, elements, where its bucket starts in ``applied``)."""
+    by_step: list[list[tuple[int, int, int]]] = [[] for _ in range(steps)]
+    at = 0
+    for step, bucket, numel in out["hooks"]:
+        if step is not None and 0 <= step < steps:
+            by_step[step].append((bucket, numel, at))
+            at += numel
+    if out["applied"].numel() != at:
+        raise AssertionError(f"{where}: the buckets' gradients after backward were not all recorded")
+    return by_step
+
+
+def applied_check(what: str, spec: dict, outs: list) -> None:
+    """What every rank's SGD applied is the mean of what the ranks allgathered, and nothing else.
+
+    (a) every rank's final parameters are equal, bit for bit;
+    (b) every step, every bucket: the gradient DDP applied (its buffer once backward is over) is
+        the mean of the allgathered payloads -- the copies the transport carried, logged on
+        every rank and read with the grader's own ``unpacked`` -- added in rank order, divided
+        by N (up to the rounding of adding the N rows in another order);
+    (c) each payload is in the compressor's wire format (``unpacked``);
+    and SGD replayed here from those gradients ends at each rank's final parameters (nothing
+    changed them between the record and the step).
+
+    The allgathers of a step are paired with its hook calls in order (the j-th allgather of every
+    rank carries the j-th bucket): so data that reached a rank by any other way (files, shared
+    memory, a point-to-point message) cannot be in its update.
+    """
+    steps, ranks = spec["steps"], len(outs)
+    names = {name for name, _ in workers.make_model(spec).named_parameters()}
+    for rank, out in enumerate(outs):
+        if not isinstance(out["params"], dict) or set(out["params"]) != names:
+            raise AssertionError(f"{what}: rank {rank}: the parameters' names differ from the model's")
+    hooks = [_hooks_by_step(f"{what}: rank {rank}", out, steps) for rank, out in enumerate(outs)]
+    for rank, out in enumerate(outs[1:], start=1):
+        for name, value in outs[0]["params"].items():
+            if not _same_bits(value, out["params"].get(name)):
+                raise AssertionError(
+                    f"{what}: after {spec['steps']} steps rank {rank}'s '{name}' differs from rank 0's; "
+                    "every rank must apply the same update, the mean of what the ranks allgathered"
+                )
+    for step in range(steps):
+        gathers = [
+            [c for c in out["calls"] if c["phase"] == step and c["function"] == "allgather"] for out in outs
+        ]
+        for rank in range(ranks):
+            where = f"{what}: rank {rank}, step {step}"
+            if [h[:2] for h in hooks[rank][step]] != [h[:2] for h in hooks[0][step]]:
+                raise AssertionError(f"{where}: DDP called the hook for other buckets than on rank 0")
+            if len(gathers[rank]) != len(hooks[rank][step]):
+                raise AssertionError(
+                    f"{where}: {len(gathers[rank])} allgathers for {len(hooks[rank][step])} buckets; "
+                    "send each bucket by one allgather: its update is the mean of what that carries"
+                )
+        for j, (bucket, numel, _) in enumerate(hooks[0][step]):
+            mean = torch.zeros(numel, dtype=torch.float32)
+            size = torch.zeros(numel, dtype=torch.float32)
+            for rank, out in enumerate(outs):
+                where = f"{what}: rank {rank}, step {step}, bucket {bucket}"
+                call = gathers[rank][j]
+                if not isinstance(call.get("payload"), list):
+                    raise AssertionError(
+                        f"{where}: the payload is {call.get('dtype', 'no tensor')}, not pack's int32 "
+                        "wire format"
+                    )
+                start, length = call["payload"]
+                indices, values = unpacked(where, out["payloads"][start : start + length], numel)
+                mean.index_add_(0, indices, values)
+                size.index_add_(0, indices, values.abs())
+            mean.div_(ranks)
+            slack = 2 * EPS32 * size  # the N rows added in another order (0 where nothing was sent)
+            for rank, out in enumerate(outs):
+                at = hooks[rank][step][j][2]
+                got = out["applied"][at : at + numel]
+                bad = ~((got == mean) | ((got - mean).abs() <= slack) | (got.isnan() & mean.isnan()))
+                if bad.any():
+                    i = int(bad.nonzero()[0])
+                    raise AssertionError(
+                        f"{what}: rank {rank}, step {step}, bucket {bucket}: the gradient DDP applied is "
+                        f"not the mean of the payloads the {ranks} ranks allgathered: element {i} is "
+                        f"{got[i].item():.6g}, expected {mean[i].item():.6g} ({int(bad.sum())} of {numel} "
+                        "elements differ). SparseWork.wait must return the allgathered rows, unpacked, "
+                        "added in rank order and divided by N: the update is what was sent, nothing else"
+                    )
+    for rank, out in enumerate(outs):
+        model = workers.make_model(spec)
+        named = list(model.named_parameters())
+        optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
+        for step in range(steps):
+            calls = hooks[rank][step]
+            for (name, p), place in zip(named, out["places"][step]):
+                j, offset = place if place is not None else (-1, -1)
+                if not (0 <= j < len(calls) and 0 <= offset <= calls[j][1] - p.numel()):
+                    raise AssertionError(f"{what}: rank {rank}, step {step}: '{name}'.grad is in no bucket")
+                start = calls[j][2] + offset
+                p.grad = out["applied"][start : start + p.numel()].view_as(p).clone()
+            optimizer.step()
+        for name, p in named:
+            assert_close(
+                f"{what}: rank {rank}, '{name}' after {steps} steps, against SGD with the gradients "
+                "DDP applied",
+                out["params"][name],
+                p.detach(),
+                RTOL32,
+                ATOL32,
+            )
+
+
 def bytes_check(what: str, spec: dict):
     """Every rank, every step: one asynchronous allgather of 8 k bytes per hook call (k of that
-    step), no other collective in backward, and the transport sent (N - 1) * 8 k bytes per bucket."""
+    step), no other collective in backward, and the transport sent (N - 1) * 8 k bytes per bucket;
+    and what was applied is the mean of what was allgathered (``applied_check``)."""
     ranks = spec["ranks"]
 
     def check(outs: list) -> None:
@@ -344,6 +484,7 @@ def bytes_check(what: str, spec: dict):
                         f"{where}: the transport sent {out['sent'][step]} bytes in "
                         f"backward, expected {wire} ((N-1) x 8 k per bucket, the ring allgather)"
                     )
+        applied_check(what, spec, outs)
 
     return check
 
@@ -370,20 +511,23 @@ def loss_of_params(spec: dict, params) -> float:
 
 def convergence_check(what: str, spec: dict, factor: float):
     """Something was compressed (every step: the collectives of ``bytes_check``, one
-    asynchronous allgather of 8 k bytes per bucket, nothing else), and every rank's final
-    parameters reach a loss, computed here from them, at most ``factor`` times dense momentum
-    SGD's (same batches)."""
+    asynchronous allgather of 8 k bytes per bucket, nothing else), what was applied is the mean
+    of what was allgathered (``applied_check``), and every rank's final parameters reach a loss,
+    computed here from them, at most ``factor`` times dense momentum SGD's (same batches)."""
 
     def check(outs: list) -> None:
         for rank, out in enumerate(outs):
             for step in range(spec["steps"]):
                 _check_sends(f"{what}: rank {rank}, step {step}", out, step, spec["config"])
-        dense, start = dense_momentum_sgd(spec), initial_loss(spec)
+        losses = []
         for rank, out in enumerate(outs):
             try:
-                loss = loss_of_params(spec, out["params"])
+                losses.append(loss_of_params(spec, out["params"]))
             except AssertionError as error:
                 raise AssertionError(f"{what}: rank {rank}: {error}") from None
+        applied_check(what, spec, outs)
+        dense, start = dense_momentum_sgd(spec), initial_loss(spec)
+        for rank, loss in enumerate(losses):
             if not loss <= factor * dense:
                 raise AssertionError(
                     f"{what}: rank {rank}: after {spec['steps']} steps the loss is {loss:.4g} (it started "

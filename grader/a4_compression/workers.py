@@ -10,8 +10,13 @@ What a training rank reports besides its parameters and loss, measured by the gr
 
 * every call of the library's collectives (``CollectiveLog``: ``md.allgather``,
   ``md.allreduce``, ... are wrapped before the student's module is imported), with the step it
-  came in, the function, the number of bytes and ``async_op``;
+  came in, the function, the number of bytes and ``async_op``; for an allgather also a copy of
+  the payload, and it is that copy the transport carries (a payload changed after the launch
+  changes nothing), so the log holds exactly what every rank received;
 * every call of the student's hook, as the library's DDP makes it (bucket index, elements);
+* what SGD applied: every bucket's buffer once backward is over (DDP has copied the hook's
+  result into it; the parameters' ``.grad`` are views of it), and where in those buffers each
+  parameter's gradient lies;
 * the bytes the transport itself sent during each backward (``comm.stats``).
 """
 
@@ -52,6 +57,12 @@ _EQUAL = torch.equal
 _CLONE = torch.Tensor.clone
 _DETACH = torch.Tensor.detach
 _IS_TENSOR = torch.is_tensor
+_CAT = torch.cat
+_RESHAPE = torch.Tensor.reshape
+_STORAGE = torch.Tensor.untyped_storage
+_STORAGE_OFFSET = torch.Tensor.storage_offset
+_STORAGE_POINTER = torch.UntypedStorage.data_ptr
+_INT32 = torch.int32
 
 
 # --- the grader's instruments ------------------------------------------------------------------
@@ -81,14 +92,15 @@ class CollectiveLog:
                 async_op = bool(bound.arguments.get("async_op", False))
             except TypeError:  # the call itself is wrong: the collective raises below
                 async_op = False
-            self.calls.append(
-                {
-                    "phase": self.phase,
-                    "function": name,
-                    "bytes": int(_NUMEL(tensor) * _ELEMENT_SIZE(tensor)) if is_tensor else -1,
-                    "async_op": async_op,
-                }
-            )
+            record = {
+                "phase": self.phase,
+                "function": name,
+                "bytes": int(_NUMEL(tensor) * _ELEMENT_SIZE(tensor)) if is_tensor else -1,
+                "async_op": async_op,
+            }
+            self.calls.append(record)
+            if name == "allgather" and is_tensor:  # the allgather reads its input, never writes it
+                tensor = record["payload"] = _CLONE(_DETACH(tensor))  # what is logged is what is sent
             return original(comm, tensor, *args, **kwargs)
 
         return collective
@@ -172,6 +184,39 @@ def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return _CROSS_ENTROPY(model(x), y)
 
 
+def where_gradients_lie(model: nn.Module, buffers: list[torch.Tensor]) -> list[list[int] | None]:
+    """For each parameter (``named_parameters`` order), ``[j, offset]``: its ``.grad`` is a view
+    of ``buffers[j]`` (the bucket the j-th hook call of this step got) from ``offset`` on;
+    None if it is no contiguous view of one of them."""
+    places = []
+    for _, p in model.named_parameters():
+        grad, place = p.grad, None
+        if grad is not None and grad.is_contiguous():
+            for j, buffer in enumerate(buffers):
+                if _STORAGE_POINTER(_STORAGE(grad)) == _STORAGE_POINTER(_STORAGE(buffer)):
+                    place = [j, int(_STORAGE_OFFSET(grad) - _STORAGE_OFFSET(buffer))]
+        places.append(place)
+    return places
+
+
+def _payload_log(calls: list[dict]) -> tuple[list[dict], torch.Tensor]:
+    """The collective log as data: each allgather's payload, if int32, moved into one flat
+    tensor (``"payload": [offset, numel]`` into it); another dtype is named (``"dtype"``)."""
+    records, payloads, at = [], [], 0
+    for call in calls:
+        record = dict(call)
+        payload = record.pop("payload", None)
+        if payload is not None and payload.dtype == _INT32:
+            flat = _RESHAPE(payload, (-1,))
+            record["payload"] = [at, int(_NUMEL(flat))]
+            payloads.append(flat)
+            at += int(_NUMEL(flat))
+        elif payload is not None:
+            record["dtype"] = str(payload.dtype)
+        records.append(record)
+    return records, _CAT(payloads) if payloads else torch.zeros(0, dtype=_INT32)
+
+
 # --- jobs --------------------------------------------------------------------------------------
 def schedule(comm, cases: list[dict]) -> list[list[float]]:
     """``sparsity_at`` of each case's steps."""
@@ -223,39 +268,52 @@ def sequence(comm, spec: dict) -> dict:
 
 def train(comm, spec: dict) -> dict:
     """The library's DDP with the student's hook trains ``make_model`` with SGD (no momentum)
-    for ``steps`` steps; report the parameters, the collectives and bytes. (The loss reported
-    is for information only: the grader recomputes it from the parameters.)"""
+    for ``steps`` steps; report the parameters, the collectives (with the allgathers'
+    payloads), the bytes, and what SGD applied: every hook call's bucket once backward is over,
+    in call order, in one flat tensor (``applied``), and each step's ``where_gradients_lie``.
+    (The loss reported is for information only: the grader recomputes it from the parameters.)"""
     dgc = student()
     model = make_model(spec)
     x, y = make_data(spec)
     hook = dgc.DGCHook(config_of(dgc, spec["config"]))
     hook_calls: list[list[int]] = []
+    buffers: list[torch.Tensor] = []  # this step's buckets, in hook call order
     phase = {"step": None}
 
     def instrumented(comm_, flat_grad, bucket_index):
         hook_calls.append([phase["step"], int(bucket_index), int(_NUMEL(flat_grad))])
+        buffers.append(flat_grad)
         return hook(comm_, flat_grad, bucket_index)
 
     wrapped = md.DistributedDataParallel(model, comm, bucket_mb=spec["bucket_mb"], comm_hook=instrumented)
     optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
     _LOG.calls.clear()
-    sent = []
+    sent, applied, places = [], [], []
     for step in range(spec["steps"]):
         rows = batch_rows(spec, step, comm.rank)
         optimizer.zero_grad(set_to_none=True)
         loss = loss_of(wrapped, x[rows], y[rows])
         phase["step"] = _LOG.phase = step
         before = comm.stats.copy()
+        buffers.clear()
         loss.backward()
         sent.append(int((comm.stats - before).bytes_sent))
         phase["step"] = _LOG.phase = None
+        # what SGD subtracts (the student's code is done with this step, but for a thread of
+        # its own: the trusted side replays SGD from these and compares the final parameters)
+        applied.extend(_CLONE(_DETACH(buffer)) for buffer in buffers)
+        places.append(where_gradients_lie(model, buffers))
         optimizer.step()
     with torch.no_grad():
         final = float(loss_of(model, x, y))
+    calls, payloads = _payload_log(_LOG.calls)
     return {
         "params": {name: _CLONE(_DETACH(p)) for name, p in model.named_parameters()},
         "loss": final if math.isfinite(final) else None,
-        "calls": list(_LOG.calls),
+        "calls": calls,
+        "payloads": payloads,
         "hooks": hook_calls,
+        "applied": _CAT(applied) if applied else torch.zeros(0),
+        "places": places,
         "sent": sent,
     }

@@ -4,9 +4,12 @@ The graded tests are the hidden tests with their points; the grader's second DGC
 (``grader/a4_compression/reference.py``) agrees with the library's on random data; the example
 students of ``grader/examples/a4_compression/make.py`` (correct, no error feedback, an exact
 top-k instead of the sampled threshold, no momentum correction, a crash, the library's
-compressor, a hidden loss, a dense hook, a compress_step that never sends) and the released
-stub get exactly their expected scores on a subset of the hidden tests that tells them apart
-(one batch, ``--jobs 2``).
+compressor, a hidden loss, a dense hook, a compress_step that never sends, and updates that are
+not the mean of what was allgathered) and the released stub get exactly their expected scores on
+a subset of the hidden tests that tells them apart (one batch, ``--jobs 2``). The checks that
+cheats met are tried here on forged reports: the convergence check's loss and counts, and
+``applied_check`` (the update is the mean of the allgathered payloads, the ranks agree bit for
+bit, the payloads are in the wire format, SGD replayed from the update ends at the parameters).
 
 Fast: the grading batch of the examples is ``tests/grader/batches/test_a4.py``.
 """
@@ -106,14 +109,30 @@ def _converges_spec() -> dict:
 
 
 def _compressed_report(spec: dict, params: dict, function: str = "allgather") -> dict:
-    """A rank's report that sends exactly what DGC sends (one bucket), holding ``params``."""
+    """A rank's report that sends what DGC sends (one bucket, k padding slots a step: nothing
+    applied), holding ``params``."""
     numel = sum(p.numel() for p in params.values())
-    calls, hooks = [], []
+    calls, hooks, payloads, places, offset = [], [], [], [], 0
+    for p in params.values():
+        places.append([0, offset])
+        offset += p.numel()
     for step in range(spec["steps"]):
         k = reference.slots(numel, reference.sparsity(step, spec["config"]))
+        at = sum(t.numel() for t in payloads)
         calls.append({"phase": step, "function": function, "bytes": 8 * k, "async_op": True})
+        calls[-1]["payload"] = [at, 2 * k]
+        payloads.append(torch.zeros(2 * k, dtype=torch.int32))
         hooks.append([step, 0, numel])
-    return {"params": params, "loss": 0.0, "calls": calls, "hooks": hooks, "sent": []}
+    return {
+        "params": params,
+        "loss": 0.0,
+        "calls": calls,
+        "payloads": torch.cat(payloads),
+        "hooks": hooks,
+        "applied": torch.zeros(spec["steps"] * numel),
+        "places": [places] * spec["steps"],
+        "sent": [],
+    }
 
 
 def test_the_convergence_check_recomputes_the_loss_and_requires_compression():
@@ -131,6 +150,97 @@ def test_the_convergence_check_recomputes_the_loss_and_requires_compression():
         check([_compressed_report(spec, {"w": torch.zeros(3)})] * 2)
     # the recomputed loss is the loss of those parameters
     assert reference.loss_of_params(spec, start) == pytest.approx(reference.initial_loss(spec))
+
+
+def _averaging_reports(spec: dict, ranks: int = 2) -> list[dict]:
+    """Reports of ``ranks`` ranks that each send k random (index, value) pairs a step (one
+    bucket) and apply the mean of them, with the parameters SGD reaches from it: what
+    ``applied_check`` accepts."""
+    model = workers.make_model(spec)
+    named = list(model.named_parameters())
+    numel = sum(p.numel() for _, p in named)
+    places, offset = [], 0
+    for _, p in named:
+        places.append([0, offset])
+        offset += p.numel()
+    g = torch.Generator().manual_seed(7)
+    outs = [{"calls": [], "payloads": [], "hooks": [], "applied": [], "places": []} for _ in range(ranks)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
+    for step in range(spec["steps"]):
+        k = reference.slots(numel, reference.sparsity(step, spec["config"]))
+        mean = torch.zeros(numel)
+        for out in outs:
+            indices = torch.randperm(numel, generator=g)[:k].sort().values
+            values = torch.randn(k, generator=g) * 0.01
+            at = sum(t.numel() for t in out["payloads"])
+            out["payloads"].append(torch.cat([values.view(torch.int32), indices.to(torch.int32)]))
+            out["calls"].append({"phase": step, "function": "allgather", "bytes": 8 * k, "async_op": True})
+            out["calls"][-1]["payload"] = [at, 2 * k]
+            out["hooks"].append([step, 0, numel])
+            out["places"].append(places)
+            mean.index_add_(0, indices, values)
+        mean.div_(ranks)
+        for out in outs:
+            out["applied"].append(mean.clone())
+        for (_, p), (_, start) in zip(named, places):
+            p.grad = mean[start : start + p.numel()].view_as(p).clone()
+        optimizer.step()
+    final = {name: p.detach().clone() for name, p in named}
+    for out in outs:
+        out.update(payloads=torch.cat(out["payloads"]), applied=torch.cat(out["applied"]), sent=[], loss=0.0)
+        out["params"] = {name: value.clone() for name, value in final.items()}
+    return outs
+
+
+def test_the_applied_check_ties_the_update_to_what_was_allgathered():
+    name = "test_hook_matches_simulation[2-pipe]"
+    spec = next(t for t in assignment.graded_tests(0) if t.name == name).job.args[0]
+    reference.applied_check("a", spec, _averaging_reports(spec))  # the mean of the payloads: accepted
+
+    def refused(change, match: str) -> None:
+        outs = _averaging_reports(spec)
+        change(outs)
+        with pytest.raises(AssertionError, match=match):
+            reference.applied_check("a", spec, outs)
+
+    numel = sum(p.numel() for p in workers.make_model(spec).parameters())
+
+    def own_row(outs):  # rank 1 applies its own payload only
+        first = outs[1]["payloads"][: outs[1]["calls"][0]["payload"][1]]
+        indices, values = reference.unpacked("", first, numel)
+        outs[1]["applied"][:numel] = torch.zeros(numel).index_add_(0, indices, values)
+
+    def other_update(outs):  # both ranks apply something else (a dense average from elsewhere)
+        for out in outs:
+            out["applied"][:numel] += 1e-3
+
+    def one_ulp(outs):  # rank 1 ends one float apart
+        value = next(iter(outs[1]["params"].values())).view(-1)
+        value[0] = torch.nextafter(value[0], torch.tensor(9.0))
+
+    def outside(outs):  # an index past the bucket
+        k = outs[0]["calls"][0]["payload"][1] // 2
+        outs[0]["payloads"][k] = numel
+
+    def twice(outs):
+        k = outs[0]["calls"][0]["payload"][1] // 2
+        outs[0]["payloads"][k + 1] = outs[0]["payloads"][k]
+
+    def overwritten(outs):  # the parameters moved by something else than the recorded gradients
+        for out in outs:
+            for value in out["params"].values():
+                value.add_(1e-2)
+
+    def no_allgather(outs):
+        outs[0]["calls"] = [c for c in outs[0]["calls"] if c["phase"] != 1]
+
+    refused(own_row, "not the mean of the payloads")
+    refused(other_update, "not the mean of the payloads")
+    refused(one_ulp, "differs from rank 0's")
+    refused(outside, "outside the bucket")
+    refused(twice, "index twice")
+    refused(overwritten, "against SGD with the gradients DDP applied")
+    refused(no_allgather, "0 allgathers for 1 buckets")
 
 
 def test_the_error_feedback_check_refuses_a_step_that_sends_nothing():

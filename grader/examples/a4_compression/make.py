@@ -32,6 +32,21 @@
   step, something nonzero), the hook's values and convergence; keeps the schedule, clipping,
   the selection and the bytes (his hook still allgathers k padded slots).
 
+Cheats that train without averaging what was sent (issue 25): each allgathers k slots of the
+right size, so they passed every count and, before the grader tied the update to the payloads,
+scored 32/36 (only the simulation test lost). The grader now logs a copy of every allgather's
+payload (the copy is what the transport carries) and checks that every rank applied the mean of
+those payloads, unpacked by its own code, and that the ranks end bit for bit equal
+(``reference.applied_check``): each keeps only tasks 1-4 (22), whatever route its data took:
+
+* ``kate``: no averaging at all: k empty slots allgathered, each rank steps on its own momentum
+  velocity (its own data only); the ranks drift apart;
+* ``liam``: a dense average exchanged through files in the sandbox's temporary folder, the
+  allgather (k empty slots) used as a barrier; momentum SGD on that average;
+* ``mona``: the right payload allgathered, but only the rank's own row applied;
+* ``nick``: the right payload allgathered, but a dense average exchanged through ``/dev/shm``
+  applied (momentum SGD): the ranks agree, the update is not what was sent.
+
 ``LOST`` lists the hidden tests each one fails; ``EXPECTED`` holds the status and score each
 must get on all the hidden tests (``expected_score`` for a subset). The submissions are generated
 from ``solutions/`` (so they follow the assignment when it changes); nothing here is committed
@@ -98,6 +113,94 @@ NEVER_SENDS = """    if config.clip_norm is not None:
     return torch.zeros(0, dtype=torch.long), v.new_zeros(0)
 """
 
+#: kate: k empty slots on the wire (a barrier); each rank steps on its own velocity
+OWN_DATA_HOOK = """        if bucket_index not in self.states:
+            self.states[bucket_index] = DGCState.zeros_like(flat_grad)
+        state = self.states[bucket_index]
+        slots = slots_for(flat_grad.numel(), sparsity_at(state.step, self.config))
+        state.step += 1
+        velocity = state.velocity.mul_(self.config.momentum).add_(flat_grad).clone()
+        empty = pack(torch.zeros(0, dtype=torch.long), torch.zeros(0), slots)
+        barrier = md.allgather(comm, empty, async_op=True)
+
+        class OwnData:
+            def wait(self):
+                barrier.wait()
+                return velocity
+
+        return OwnData()
+"""
+
+#: liam, nick: every rank's dense gradient through files in FOLDER; the allgather (k empty slots,
+#: or the right payload) only makes sure every file is written; momentum SGD on the dense average
+SIDE_CHANNEL_HOOK = """        if self.generator is None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(self.config.seed * 1000 + comm.rank)
+        if bucket_index not in self.states:
+            self.states[bucket_index] = DGCState.zeros_like(flat_grad)
+            _DENSE_VELOCITY[bucket_index] = torch.zeros_like(flat_grad)
+        state = self.states[bucket_index]
+        slots = slots_for(flat_grad.numel(), sparsity_at(state.step, self.config))
+        tag = f"dgc-{os.getppid()}-{bucket_index}-{state.step}"
+        names = [os.path.join(FOLDER, f"{tag}-{r}") for r in range(comm.world_size)]
+{write}
+{payload}
+        barrier = md.allgather(comm, payload, async_op=True)
+        velocity, momentum = _DENSE_VELOCITY[bucket_index], self.config.momentum
+
+        class Dense:
+            def wait(self):
+                barrier.wait()
+                total = torch.zeros_like(velocity)
+                for name in names:
+{read}
+                return velocity.mul_(momentum).add_(total / len(names)).clone()
+
+        return Dense()
+"""
+EMPTY_SLOTS = """        state.step += 1
+        payload = pack(torch.zeros(0, dtype=torch.long), torch.zeros(0), slots)"""
+RIGHT_PAYLOAD = """        world_size = comm.world_size
+        chosen, values = compress_step(state, flat_grad, self.config, world_size, self.generator)
+        payload = pack(chosen, values.to(torch.float32), slots)"""
+#: liam: numpy's own file writing and reading (``open`` is refused at intake)
+NUMPY_WRITE = """        flat_grad.numpy().tofile(names[comm.rank])"""
+NUMPY_READ = """                    total += torch.from_numpy(numpy.fromfile(name, dtype=numpy.float32))"""
+#: nick: file descriptors
+FD_WRITE = """        fd = os.open(names[comm.rank], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.write(fd, flat_grad.numpy().tobytes())
+        os.close(fd)"""
+FD_READ = """                    fd = os.open(name, os.O_RDONLY)
+                    data = os.read(fd, 4 * velocity.numel())
+                    os.close(fd)
+                    total += torch.frombuffer(bytearray(data), dtype=torch.float32)"""
+SIDE_CHANNEL_IMPORTS = "import math\nimport os\nimport tempfile\n"
+SIDE_CHANNEL_STATE = """
+
+FOLDER = {folder}
+_DENSE_VELOCITY = {{}}
+"""
+
+#: mona: the right payload allgathered, only the rank's own row applied
+OWN_PAYLOAD_HOOK = """        if self.generator is None:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(self.config.seed * 1000 + comm.rank)
+        if bucket_index not in self.states:
+            self.states[bucket_index] = DGCState.zeros_like(flat_grad)
+        state = self.states[bucket_index]
+        slots = slots_for(flat_grad.numel(), sparsity_at(state.step, self.config))
+        chosen, values = compress_step(state, flat_grad, self.config, comm.world_size, self.generator)
+        work = md.allgather(comm, pack(chosen, values.to(torch.float32), slots), async_op=True)
+        numel, rank = flat_grad.numel(), comm.rank
+
+        class OwnPayload:
+            def wait(self):
+                indices, values = unpack(work.wait()[rank])
+                return torch.zeros(numel).index_add_(0, indices, values)
+
+        return OwnPayload()
+"""
+
 
 #: gina reaches the sandbox unless the intake check refuses her patch (it refuses the plainer
 #: forms, ``F.cross_entropy = f``); either way she is caught
@@ -115,6 +218,10 @@ LOST = {
     "gina": (GINA_STATUS, _VALUES if GINA_STATUS == "ok" else _ALL),
     "hank": ("ok", tuple(name for name in _HOOK if not name.startswith("test_compress"))),
     "ivan": ("ok", (*_VALUES, "test_error_feedback_loses_nothing")),
+    "kate": ("ok", _HOOK),
+    "liam": ("ok", _HOOK),
+    "mona": ("ok", _HOOK),
+    "nick": ("ok", _HOOK),
 }
 
 
@@ -180,7 +287,32 @@ def build_dict() -> dict[str, dict[str, bytes]]:
     begin = solution.index(step_start) + len(step_start)
     end = solution.index("    ### END SOLUTION\n", begin)
     ivan = solution[:begin] + NEVER_SENDS + solution[end:]
-    texts = (solution, bob, carol, dave, erin, frank, gina, hank, ivan)
+    begin = solution.index(hook_start) + len(hook_start)
+    end = solution.index("        ### END SOLUTION\n", begin)
+
+    def hook(body: str, folder: str | None = None) -> str:
+        text = solution[:begin] + body + solution[end:]
+        if folder is None:
+            return text
+        text = edit(text, "import math\n", SIDE_CHANNEL_IMPORTS)
+        text = edit(text, "\nimport torch\n", "\nimport numpy\nimport torch\n")
+        warmup = "WARMUP_SPARSITIES = (0.75, 0.9375, 0.984375, 0.996)\n"
+        return edit(text, warmup, warmup + SIDE_CHANNEL_STATE.format(folder=folder))
+
+    kate = hook(OWN_DATA_HOOK)
+    side_channel = {
+        "liam": ("tempfile.gettempdir()", NUMPY_WRITE, NUMPY_READ, EMPTY_SLOTS),
+        "nick": ('"/dev/shm"', FD_WRITE, FD_READ, RIGHT_PAYLOAD),
+    }
+    liam, nick = (
+        hook(
+            SIDE_CHANNEL_HOOK.replace("{write}", write).replace("{read}", read).replace("{payload}", payload),
+            folder,
+        )
+        for folder, write, read, payload in side_channel.values()
+    )
+    mona = hook(OWN_PAYLOAD_HOOK)
+    texts = (solution, bob, carol, dave, erin, frank, gina, hank, ivan, kate, liam, mona, nick)
     return {name: {FILE: text.encode()} for name, text in zip(LOST, texts)}
 
 

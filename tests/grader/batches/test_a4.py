@@ -23,9 +23,10 @@ ROOT = Path(__file__).resolve().parents[3]
 
 #: the tests that tell the examples apart (glob patterns: "[[]" is a literal "["): error feedback
 #: (bob, ivan), the sampled selection (carol), the sequence with the whole sample (dave, bob,
-#: gina, ivan), the bytes of the hook (erin, hank); single-process jobs but one. (gina's hidden
-#: loss and hank's convergence are checked by the tests of the checks above, and by
-#: ``make.LOST`` on the whole hidden suite.)
+#: gina, ivan), the bytes of the hook (erin, hank; and kate, liam, mona, nick, whose update is not
+#: the mean of what they allgathered: the bytes test runs ``applied_check`` too); single-process
+#: jobs but one. (gina's hidden loss and hank's convergence are checked by the tests of the
+#: checks above, and by ``make.LOST`` on the whole hidden suite.)
 SUBSET = (
     "test_select_sampled_threshold",
     "test_compress_sequence[[]whole]",
@@ -59,5 +60,9 @@ def test_the_examples_get_their_scores(tmp_path):
     assert "KeyError" in (out / "erin" / "feedback.md").read_text()
     assert "allreduce" in (out / "hank" / "feedback.md").read_text()
     assert "between 1 and k" in (out / "ivan" / "feedback.md").read_text()
+    for student in ("kate", "mona"):  # each rank steps on its own data: the ranks part
+        assert "differs from rank 0's" in (out / student / "feedback.md").read_text(), student
+    for student in ("liam", "nick"):  # a dense average through files: the ranks agree
+        assert "not the mean of the payloads" in (out / student / "feedback.md").read_text(), student
     assert "minidist.parallel.compression" in book["frank"]["reason"]
     assert float(book["alice"]["similarity"]) < similarity.FLAG_AT
