@@ -124,9 +124,10 @@ def run_stage(
 
     Exactly one message per microbatch and stage boundary in each direction (one send of an
     activation forward, one of a gradient backward), nothing else. Gradients accumulate in the
-    stage's parameters (the caller zeroes them). ``inputs`` is used by stage 0 only and
-    ``targets`` by the last only (others may pass None); the activations between stages all
-    have ``activation_shape``.
+    stage's parameters (the caller zeroes them). Only call ``stage`` (``stage(x)``): the
+    grader's stage counts the forwards and backwards that go through it and shows no parameters
+    or submodules. ``inputs`` is used by stage 0 only and ``targets`` by the last only (others
+    may pass None); the activations between stages all have ``activation_shape``.
     """
     # TODO(task 7): a dict microbatch -> what is kept; count its size after every forward.
     raise NotImplementedError("TODO(task 7): write run_stage")

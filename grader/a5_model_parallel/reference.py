@@ -472,6 +472,11 @@ def executor_check(what: str, spec: dict, check_messages: bool = True):
                 raise AssertionError(
                     f"{where}: loss {report['loss']}; only the last stage has a loss (None elsewhere)"
                 )
+            if report["stray"] != 0:
+                raise AssertionError(
+                    f"{where}: the stage's layers ran {report['stray']} time(s) without going through "
+                    "the stage you were given; call stage(x) for every forward"
+                )
             if len(report["grads"]) != len(grads[r]):
                 raise AssertionError(
                     f"{where}: {len(report['grads'])} gradients for {len(grads[r])} parameters"

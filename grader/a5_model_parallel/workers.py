@@ -15,10 +15,13 @@ What a rank reports besides the values, measured by the grader's code:
 * after ``load_dense`` the grader nudges every shard it was given (``nudge``, through the
   parameters the layer exposes) and the reference nudges the dense weights the same way: a
   layer that computes from a dense copy kept aside gives other values;
-* in the pipeline, the stage modules are the grader's (``tracked``): they count the microbatches
-  whose forward ran and whose backward did not (the activations held), and log the forwards and
-  backwards in the order they ran, each backward with the forward it undid -- counters kept in a
-  closure, out of the student's reach; ``run_stage`` gets a ``StudentComm`` (point-to-point
+* in the pipeline, the stage module is the grader's (``tracked``): the layers run inside an
+  autograd Function of the grader's that logs the forwards and backwards in the order they ran
+  (each backward with the forward it undid) and counts the microbatches held; the reported
+  gradients are the ones its backwards computed from the gradients they were given (a replay
+  with zero gradients adds zeros), and the stage shows no submodule or parameter (the layers,
+  their graph and the log live in a closure, out of the student's reach; a forward of the layers
+  that bypassed the stage is counted); ``run_stage`` gets a ``StudentComm`` (point-to-point
   only, its ``reset_stats`` raises) that counts messages and bytes per peer and keeps a copy of every
   tensor sent (``Recording``), compared with the activations and input gradients of the
   one-process model.
@@ -56,6 +59,9 @@ _CLONE = torch.Tensor.clone
 _DETACH = torch.Tensor.detach
 _IS_TENSOR = torch.is_tensor
 _GELU = F.gelu
+_GRAD = torch.autograd.grad
+_ENABLE_GRAD = torch.enable_grad
+_ZEROS = torch.zeros
 
 
 # --- the grader's instruments ------------------------------------------------------------------
@@ -255,49 +261,77 @@ def schedules(comm, cases: list[list[int]]) -> list:
 
 
 # --- jobs: the executor -------------------------------------------------------------------------
-class _Held(torch.autograd.Function):
-    """Identity; its backward tells the tracker that a microbatch's activations were let go."""
-
-    @staticmethod
-    def forward(ctx, x, tracker):
-        ctx._tracker = tracker  # private names: the intake refuses them in a submission
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx._tracker._release()
-        return grad, None
-
-
 def tracked(inner: nn.Module):
-    """The grader's stage module and its counters: ``(stage, log)``.
+    """The grader's stage module and its log: ``(stage, log)``.
 
-    The stage counts the microbatches held (forward run, backward not yet) and logs each
-    forward and backward with its microbatch (in the order they ran). The counters live in this
-    closure, not on the module: the student's code gets the module and cannot reach them.
+    ``stage(x)`` runs ``inner`` inside an autograd Function of the grader's (``Counted``)::
+
+        student's graph:   x ──> [Counted] ──> out ──> ... loss         (no parameter in it)
+        grader's graph:    x' ─> inner(x') ─> out'   kept in ``pending``, out of the student's reach
+
+    Its forward logs ``("F", j)`` and counts microbatch j as held; its backward logs ``("B", j)``,
+    lets j go, and differentiates ``inner``'s own graph with the gradient it was given: the
+    gradients of ``inner``'s parameters land in ``log["grads"]``, the only gradients the grader
+    reports. So every piece of work that can count is a logged forward and backward (a backward
+    given zeros adds zeros), and the student's side holds no way to the layers: ``stage`` has no
+    submodule and no parameter, and walking ``out.grad_fn`` reaches ``x`` and the grader's
+    ``anchor`` (a zero that only makes ``out`` require a gradient on stage 0), nothing else. A
+    forward of ``inner`` or any of its modules that did not come through ``stage`` (were one ever
+    reached another way) is counted in ``log["stray"]``. The log lives in this closure.
     """
-    log = {"live": 0, "peak": 0, "order": []}
-    serial = itertools.count()  # forwards are numbered in the order they ran; a backward
-    # names the forward it undoes (the schedules run microbatches' forwards in order 0, 1, ...)
+    params = list(inner.parameters())
+    log = {"live": 0, "peak": 0, "order": [], "stray": 0, "grads": [None] * len(params)}
+    pending: dict[int, tuple] = {}  # id(ctx) -> (microbatch, x', out'): inner's graph, kept here
+    serial = itertools.count()  # forwards are numbered in the order they ran (the schedules run
+    # the microbatches' forwards in order 0, 1, ...); a backward names the forward it undoes
+    inside = [False]
+    anchor = _ZEROS((), requires_grad=True)
+
+    def stray(module, args):
+        if not inside[0]:
+            log["stray"] += 1
+
+    for module in inner.modules():
+        module.register_forward_pre_hook(stray)
+
+    class Counted(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, _anchor):
+            j = next(serial)
+            leaf = _DETACH(x).requires_grad_()
+            inside[0] = True
+            try:
+                with _ENABLE_GRAD():
+                    out = inner(leaf)
+            finally:
+                inside[0] = False
+            pending[id(ctx)] = (j, leaf, out)  # nothing on ctx: out.grad_fn is ctx
+            log["live"] += 1
+            log["peak"] = max(log["peak"], log["live"])
+            log["order"].append(("F", j))
+            return _CLONE(_DETACH(out))
+
+        @staticmethod
+        def backward(ctx, grad):
+            kept = pending.pop(id(ctx), None)
+            if kept is None:  # a second backward of one forward: logged, adds nothing
+                log["order"].append(("B", -1))
+                return None, None
+            j, leaf, out = kept
+            log["live"] -= 1
+            log["order"].append(("B", j))
+            grads = _GRAD(out, [leaf, *params], grad, allow_unused=True)
+            for i, g in enumerate(grads[1:]):
+                if g is not None:
+                    total = log["grads"][i]
+                    log["grads"][i] = _CLONE(g) if total is None else total + g
+            return (grads[0] if ctx.needs_input_grad[0] else None), None
 
     class Tracked(nn.Module):
         def forward(self, x):
-            log["live"] += 1
-            log["peak"] = max(log["peak"], log["live"])
-            log["order"].append(("F", next(serial)))
-            return _Held.apply(inner(x), _Release(len(log["order"]) - 1))
+            return Counted.apply(x, anchor)
 
-    class _Release:
-        def __init__(self, index: int) -> None:
-            self._index = index
-
-        def _release(self) -> None:
-            log["live"] -= 1
-            log["order"].append(("B", log["order"][self._index][1]))
-
-    stage = Tracked()
-    stage.inner = inner
-    return stage, log
+    return Tracked(), log
 
 
 class Recording(StudentComm):
@@ -382,7 +416,8 @@ def pipeline(comm, spec: dict) -> dict:
         "order": [[kind, j] for kind, j in log["order"]],
         "traffic": traffic,
         "sent": {str(dst): tensors for dst, tensors in sorted(sent.items())},
-        "grads": [_grad(p) for p in stage.inner.parameters()],
+        "stray": log["stray"],
+        "grads": log["grads"],
     }
 
 

@@ -7,7 +7,8 @@ the run time guard refuse the library's tensor and pipeline parallelism; and the
 of ``grader/examples/a5_model_parallel/make.py`` (correct, GPipe for 1F1B, an extra allreduce, the
 bias added p times, a crash, the library's layers, a deadlock, no f; and the red team's cheats: a
 dense copy with allreduces of zeros, a forged order, frame walking, a module written at run time,
-a dir_fd read of the library, zeros of the right size as traffic) and the released stub get
+a dir_fd read of the library, zeros of the right size as traffic; issue 25's work on the
+stage's layers with the schedule replayed on the stage) and the released stub get
 exactly their expected scores on a subset of the hidden tests that tells them apart (one batch,
 ``--jobs 2``, a fixed seed key).
 
@@ -133,6 +134,7 @@ def _honest_reports(spec: dict) -> list[dict]:
                 "order": [list(a) for a in spec["schedule"][r]],
                 "traffic": traffic,
                 "sent": sent,
+                "stray": 0,
                 "grads": grads[r],
             }
         )
@@ -176,6 +178,51 @@ def test_the_executor_check_compares_what_was_sent_and_which_microbatch_ran():
     )
     with pytest.raises(AssertionError, match="their microbatches"):
         check(order)
+
+
+def _reachable_tensors(out: torch.Tensor) -> list[torch.Tensor]:
+    """Every leaf tensor a walk of ``out``'s graph reaches (``grad_fn.next_functions``)."""
+    found, seen, nodes = [], set(), [out.grad_fn]
+    while nodes:
+        node = nodes.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if hasattr(node, "variable"):  # AccumulateGrad: the leaf it accumulates into
+            found.append(node.variable)
+        nodes.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def test_the_stage_hides_its_layers_and_reports_only_the_gradients_of_its_own_backwards():
+    spec = _executor_spec()
+    inner = workers.make_stages(spec)[1]  # the last stage: Linear, Tanh, Linear
+    twin = workers.make_stages(spec)[1]  # the same weights, run in the open
+    stage, log = workers.tracked(inner)
+    # nothing the student gets leads to the layers: no submodule, no parameter, no graph edge
+    assert list(stage.parameters()) == [] and list(stage.children()) == []
+    assert not hasattr(stage, "inner")
+    x = torch.randn(spec["rows"], spec["width"], requires_grad=True)
+    out = stage(x)
+    layers = {id(t) for t in inner.parameters()}
+    assert not any(id(t) in layers for t in _reachable_tensors(out))
+    torch.testing.assert_close(out, twin(x))
+    # a backward given zeros adds zeros; a second backward of the same forward adds nothing
+    (out * 0).sum().backward()
+    out.sum().backward()
+    assert all(g is not None and not g.any() for g in log["grads"])
+    assert log["order"] == [("F", 0), ("B", 0), ("B", -1)] and log["live"] == 0
+    # the real gradient, through the stage, equals the layers' own
+    upstream = torch.randn(spec["rows"], spec["classes"])
+    stage(x).backward(upstream)
+    twin(x).backward(upstream)
+    for got, want in zip(log["grads"], twin.parameters()):
+        torch.testing.assert_close(got, want.grad)
+    assert [t.grad for t in inner.parameters()] == [None] * len(log["grads"])
+    # a forward of the layers that did not go through the stage is counted
+    assert log["stray"] == 0
+    inner[0](x)
+    assert log["stray"] == 1
 
 
 def test_the_count_check_refuses_a_second_allreduce_a_wrong_size_and_zeros():

@@ -25,6 +25,9 @@
   tests, the MLP's equality and the MLP's backward allreduce count; keeps the schedule and the
   stage step.
 
+Then the red team's six cheats and issue 25's four (the real work done on the layers the
+counting stage wraps, the schedule replayed on the stage), each described at its entry in ``LOST``.
+
 ``LOST`` lists the hidden tests each one fails; ``EXPECTED`` holds the status and score each
 must get on all the hidden tests (``expected_score`` for a subset). The submissions are generated
 from ``solutions/`` (so they follow the assignment when it changes); nothing here is committed
@@ -92,6 +95,23 @@ LOST = {
     # it to hide a run without communication): reset_stats raises on the grader's communicator, and
     # every tensor sent is compared with the activation / gradient of its microbatch
     "padded_traffic": ("ok", _RUN_STAGE),
+    # --- issue 25: the real work done on layers the stage does not count, then the schedule
+    # replayed on the stage. Each looks for the layers its own way and falls back on the stage
+    # itself when it finds none (the stage has no submodule or parameter now): the fallback's
+    # work is counted, so its order is GPipe's and then the schedule's, and it loses every stage
+    # step test (the GPipe one included: the schedule ran twice). Each scored 54/54 before.
+    # the issue's: GPipe on ``stage.inner``, the schedule replayed on the stage with zero gradients
+    "inner_replay": ("ok", _RUN_STAGE),
+    # the same, the layers found through ``stage.modules()``
+    "modules_replay": ("ok", _RUN_STAGE),
+    # GPipe through the stage's parameters (``stage.named_parameters()``) with
+    # ``torch.func.functional_call`` on a copy of the layers' shapes, then the zero replay: now it
+    # finds no parameter, its copy's own weights give other activations, and the replay adds zeros
+    "functional_replay": ("ok", _RUN_STAGE),
+    # GPipe on the layers found through ``stage.children()``, keeping every input and every
+    # gradient received; then the schedule replayed on the stage with the real gradients (the
+    # right gradients, order and peak, from an uncounted pass's messages)
+    "kept_replay": ("ok", _RUN_STAGE),
 }
 
 
@@ -212,6 +232,103 @@ PADDED_TRAFFIC = """                comm.send(torch.zeros(tuple(activation_shape
 """
 
 
+#: issue 25: GPipe on the stage's layers, found by ``{find}`` (falls back on the stage), with the
+#: real messages; then this rank's actions replayed on the stage, a zero gradient for each backward
+REPLAY = """    rank, p = comm.rank, comm.world_size
+    first, last = rank == 0, rank == p - 1
+    m = sum(1 for kind, _ in actions if kind == "F")
+    shape = tuple(activation_shape)
+{find}
+    kept, losses = [], []
+    for j in range(m):
+        x = inputs[j] if first else comm.recv(torch.empty(shape), src=rank - 1).requires_grad_()
+        out = real(x)
+        if last:
+            loss = loss_fn(out, targets[j])
+            losses.append(float(loss.detach()))
+            kept.append((x, loss))
+        else:
+            comm.send(out.detach().contiguous(), dst=rank + 1)
+            kept.append((x, out))
+    for j in range(m):
+        x, out = kept[j]
+        if last:
+            (out / m).backward()
+        else:
+            out.backward(comm.recv(torch.empty(shape), src=rank + 1))
+        if not first:
+            comm.send(x.grad.contiguous(), dst=rank - 1)
+    held, peak = {{}}, 0
+    for kind, j in actions:  # the schedule, on the counting stage, for the counters
+        if kind == "F":
+            held[j] = stage(inputs[j] if first else torch.zeros(shape, requires_grad=True))
+            peak = max(peak, len(held))
+        else:
+            (held.pop(j) * 0).sum().backward()
+    return StageResult(sum(losses) / m if last else None, peak)
+"""
+FIND_INNER = '    real = getattr(stage, "inner", stage)  # the module the counting stage wraps'
+FIND_MODULES = """    found = [module for module in stage.modules() if module is not stage]
+    real = found[0] if found else stage"""
+#: the layers' shapes as ``workers.make_stages`` builds them (the worker module is readable in the
+#: sandbox), run with the stage's parameters by name
+FIND_FUNCTIONAL = """    width = shape[-1]
+    named = {name.split(".", 1)[-1]: t for name, t in stage.named_parameters()}
+    if first:
+        copy = nn.Sequential(nn.Linear(width, width), nn.GELU())
+    elif not last:
+        copy = nn.Sequential(nn.LayerNorm(width), nn.Linear(width, width), nn.Tanh())
+    else:
+        classes = len(named["2.bias"]) if "2.bias" in named else 4
+        copy = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, classes))
+
+    def real(x):
+        return torch.func.functional_call(copy, named, (x,))"""
+#: GPipe on the layers found through ``stage.children()``, keeping the inputs and the gradients
+#: received; then the schedule replayed on the stage with them (no messages), the layers' own
+#: gradients of the first pass dropped
+KEPT_REPLAY = """    rank, p = comm.rank, comm.world_size
+    first, last = rank == 0, rank == p - 1
+    m = sum(1 for kind, _ in actions if kind == "F")
+    shape = tuple(activation_shape)
+    real = next(iter(stage.children()), stage)
+    kept, xs, grads, losses = [], [], [], []
+    for j in range(m):
+        x = inputs[j] if first else comm.recv(torch.empty(shape), src=rank - 1).requires_grad_()
+        xs.append(x.detach())
+        out = real(x)
+        if last:
+            loss = loss_fn(out, targets[j])
+            losses.append(float(loss.detach()))
+            kept.append((x, loss))
+        else:
+            comm.send(out.detach().contiguous(), dst=rank + 1)
+            kept.append((x, out))
+    for j in range(m):
+        x, out = kept[j]
+        if last:
+            (out / m).backward()
+        else:
+            grads.append(comm.recv(torch.empty(shape), src=rank + 1))
+            out.backward(grads[j])
+        if not first:
+            comm.send(x.grad.contiguous(), dst=rank - 1)
+    for t in real.parameters():
+        t.grad = None
+    held, peak = {}, 0
+    for kind, j in actions:  # the schedule, on the counting stage, with the real gradients
+        if kind == "F":
+            out = stage(xs[j] if first else xs[j].clone().requires_grad_())
+            held[j] = loss_fn(out, targets[j]) / m if last else out
+            peak = max(peak, len(held))
+        elif last:
+            held.pop(j).backward()
+        else:
+            held.pop(j).backward(grads[j])
+    return StageResult(sum(losses) / m if last else None, peak)
+"""
+
+
 def build_dict() -> dict[str, dict[str, bytes]]:
     layers, schedule = (FOLDER / "tp_layers.py").read_text(), (FOLDER / "schedule.py").read_text()
     bob = replace_region(schedule, "    ### BEGIN SOLUTION TODO(task 6): write one_f_one_b\n", GPIPE_BODY)
@@ -260,6 +377,11 @@ def build_dict() -> dict[str, dict[str, bytes]]:
     padded_traffic = edit(
         schedule, "                comm.send(x.grad.contiguous(), dst=rank - 1)\n", PADDED_TRAFFIC
     )
+    task7 = "    ### BEGIN SOLUTION TODO(task 7): write run_stage\n"
+    inner_replay = replace_region(schedule, task7, REPLAY.format(find=FIND_INNER))
+    modules_replay = replace_region(schedule, task7, REPLAY.format(find=FIND_MODULES))
+    functional_replay = replace_region(schedule, task7, REPLAY.format(find=FIND_FUNCTIONAL))
+    kept_replay = replace_region(schedule, task7, KEPT_REPLAY)
     both = {
         "alice": (layers, schedule),
         "bob": (layers, bob),
@@ -275,6 +397,10 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         "late_module": (layers, late_module),
         "dirfd_read": (layers, dirfd_read),
         "padded_traffic": (layers, padded_traffic),
+        "inner_replay": (layers, inner_replay),
+        "modules_replay": (layers, modules_replay),
+        "functional_replay": (layers, functional_replay),
+        "kept_replay": (layers, kept_replay),
     }
     assert list(both) == list(LOST)
     return {name: {FILES[0]: tp.encode(), FILES[1]: sc.encode()} for name, (tp, sc) in both.items()}
