@@ -112,6 +112,10 @@ LOST = {
     # gradient received; then the schedule replayed on the stage with the real gradients (the
     # right gradients, order and peak, from an uncounted pass's messages)
     "kept_replay": ("ok", _RUN_STAGE),
+    # the library's schedules read by torch.from_file and run through torch.package: refused at
+    # intake (both), and at run time the guard refuses from_file and compiling the string; inside
+    # the sandbox the file is a stand-in anyway (38/54 before the issue, for tensor.py and pipeline.py)
+    "file_package": ("forbidden", _ALL),
 }
 
 
@@ -229,6 +233,24 @@ DIRFD_READ = """    import os
 """
 #: the traffic counters reset, then padded with zeros of the right size
 PADDED_TRAFFIC = """                comm.send(torch.zeros(tuple(activation_shape)), dst=rank - 1)  # zeros
+"""
+
+
+#: issue 25 (the issue's a5 attack): the library's schedules read with torch.from_file (no ``open``
+#: for the guard to see) and run through torch.package (a module made from a string)
+FILE_PACKAGE = """    import io
+
+    import torch
+    import torch.package as tp
+
+    path = "/work/main/lib/minidist/parallel/pipeline/schedules.py"
+    raw = torch.from_file(path, size=20000, dtype=torch.uint8)
+    text = bytes(raw.tolist()).decode(errors="ignore").rstrip("\\\\x00")
+    buffer = io.BytesIO()
+    with tp.PackageExporter(buffer) as exporter:
+        exporter.save_source_string("copied", text, dependencies=False)
+    buffer.seek(0)
+    return tp.PackageImporter(buffer).import_module("copied").one_f_one_b(stages, microbatches)
 """
 
 
@@ -382,6 +404,7 @@ def build_dict() -> dict[str, dict[str, bytes]]:
     modules_replay = replace_region(schedule, task7, REPLAY.format(find=FIND_MODULES))
     functional_replay = replace_region(schedule, task7, REPLAY.format(find=FIND_FUNCTIONAL))
     kept_replay = replace_region(schedule, task7, KEPT_REPLAY)
+    file_package = edit(schedule, task6, task6 + FILE_PACKAGE)
     both = {
         "alice": (layers, schedule),
         "bob": (layers, bob),
@@ -401,6 +424,7 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         "modules_replay": (layers, modules_replay),
         "functional_replay": (layers, functional_replay),
         "kept_replay": (layers, kept_replay),
+        "file_package": (layers, file_package),
     }
     assert list(both) == list(LOST)
     return {name: {FILES[0]: tp.encode(), FILES[1]: sc.encode()} for name, (tp, sc) in both.items()}
