@@ -11,13 +11,20 @@ layer; on 2 and 3 ranks, on the "shm" and "pipe" transports.
 * ``assign_buckets`` against a second implementation of the rule (task 1);
 * after 3 AdamW steps every rank's gradients (first step) and parameters equal one process
   training on the whole batch (tasks 2 and 3);
-* exactly one allreduce per bucket per step, of the bucket's size, counted by wrapping
-  ``md.allreduce`` (task 2);
-* overlap: every allreduce asynchronous, and each bucket launched before the next gradient
-  after its last one (the last bucket: before backward ends) -- the order of events noted by
-  the grader's own hooks, which run before the student's (task 2);
+* exactly one allreduce per bucket per step, each carrying that bucket's gradient (a copy
+  logged by the grader's wrapper of ``md.allreduce``, compared with the rank's local gradients
+  recomputed on the trusted side), no other collective or point-to-point message, and the
+  transport's own byte and message count equal to the allreduces' (task 2);
+* overlap: every allreduce asynchronous, and each bucket's allreduce launched before the next
+  gradient after its last one (the last bucket: before backward ends) -- the order of events
+  noted by the grader's own hooks, which run before the student's (task 2);
 * the recorder gets one span per bucket, within backward (tasks 2 and 3);
 * ``no_sync``: 3 micro-batches per step, the same as one process, no allreduce inside (task 4).
+
+The tests of tasks 2-4 hold the communication to the student's own buckets (``ddp.buckets``)
+when they are a partition of the trainable parameters within ``bucket_mb``: the bucket rule is
+task 1's test alone. Overlap, spans and no_sync also require the communication of the count
+test (``reference.communication``): what the ranks end with came from the buckets' allreduces.
 
 The folder holding the student's ``ddp.py`` must be on PYTHONPATH; it is imported only in the
 worker processes. Each ``Case`` carries its points; ``grading.py`` declares the assignment.
@@ -113,6 +120,7 @@ def cases(seed: int) -> list[Case]:
 
     def train(name, points, function, s, transport, check):
         what = f"{s['model']} model on {s['ranks']} ranks, transport {transport!r}"
+        s = {**s, "transport": transport}  # the trusted side's byte count depends on it
         out.append(Case(name, points, function, "train", s["ranks"], [s], check(what, s), transport))
 
     for base, (model, ranks, transport) in enumerate(

@@ -5,7 +5,10 @@ spec; so does this module, and trains them in one process on the whole batch (ev
 rows): the DDP run must give the same gradients after the first step's backward and the same
 parameters after the last AdamW step (double precision: they differ by rounding only). The
 bucket rule is written here a second time (``reference_buckets``), not taken from the
-solution. Each ``*_check(what, spec)`` returns a function of the ranks' reports (read back as
+solution; tasks 2-4 are checked against the student's own buckets when valid (``own_buckets``).
+``communication`` ties what was counted to what was carried: each allreduce's logged copy must
+be the rank's local bucket gradient, recomputed here, and the transport's own count must be the
+allreduces'. Each ``*_check(what, spec)`` returns a function of the ranks' reports (read back as
 data) that raises ``AssertionError`` with a message a student may read (``grading.redact``
 removes the expected values).
 """
@@ -13,6 +16,8 @@ removes the expected values).
 from __future__ import annotations
 
 import torch
+
+from minidist.collectives import cost_model
 
 from . import workers
 
@@ -44,6 +49,106 @@ def expected_buckets(spec: dict) -> tuple[list[list[str]], list[int]]:
     sizes = {name: p.numel() for name, p in model.named_parameters()}
     buckets = reference_buckets(list(model.named_parameters()), spec["bucket_mb"])
     return buckets, [sum(sizes[name] for name in bucket) for bucket in buckets]
+
+
+def own_buckets(spec: dict, reported) -> tuple[list[list[str]], str]:
+    """The buckets the checks of tasks 2-4 hold a rank to: its own (``ddp.buckets``) when they
+    are a partition of the trainable parameters that keeps to ``bucket_mb`` (a bucket over it
+    holds one parameter), else the reference's. Task 1's test alone judges the bucket rule, so a
+    slip there costs only its points. Names are the first name of each parameter (a tied weight
+    may be reported under either name). Returns (buckets, which ones they are, for messages)."""
+    model = workers.make_model(spec)
+    first = {id(p): name for name, p in model.named_parameters()}
+    by_name = dict(model.named_parameters(remove_duplicate=False))
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    seen: set[int] = set()
+    buckets = []
+    valid = isinstance(reported, list) and bool(reported)
+    for bucket in reported if valid else []:
+        if not isinstance(bucket, list) or not bucket:
+            valid = False
+            break
+        params = [by_name.get(name) if isinstance(name, str) else None for name in bucket]
+        if any(p is None or id(p) not in trainable or id(p) in seen for p in params):
+            valid = False
+            break
+        if len(set(map(id, params))) != len(params):
+            valid = False
+            break
+        seen.update(map(id, params))
+        if len(params) > 1 and sum(p.numel() * p.element_size() for p in params) > spec["bucket_mb"] * MIB:
+            valid = False
+            break
+        buckets.append([first[id(p)] for p in params])
+    if valid and seen == trainable:
+        return buckets, "its buckets (ddp.buckets)"
+    reference, _ = expected_buckets(spec)
+    return reference, (
+        "the reference's buckets (ddp.buckets is not a partition of the trainable parameters into "
+        "buckets of at most bucket_mb)"
+    )
+
+
+def local_model(spec: dict, rank: int, step: int, flat) -> torch.nn.Module:
+    """The spec's model holding ``flat`` (a rank's parameters at the start of ``step``, as its
+    worker reported them), after this rank's backward passes of that step on its own rows:
+    its ``.grad`` are what this rank's buckets must carry in the step's last backward."""
+    model = workers.make_model(spec)
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    if not isinstance(flat, torch.Tensor) or flat.numel() != total:
+        raise AssertionError(f"rank {rank}, step {step}: the parameters were not reported")
+    with torch.no_grad():
+        offset = 0
+        for p in params:
+            p.copy_(flat[offset : offset + p.numel()].view_as(p).to(p.dtype))
+            offset += p.numel()
+    for micro in range(spec.get("accumulate", 1)):
+        inputs, target = workers.local_rows(spec, rank, workers.make_batch(spec, step, micro))
+        workers.loss_of(spec, model(inputs), target).backward()
+    return model
+
+
+def bucket_gradient(model: torch.nn.Module, names: list[str]) -> torch.Tensor:
+    """One bucket's flat gradient in its layout (``Bucket.of``): its parameters' gradients in the
+    bucket's order, each flattened; a parameter without one (unused) counts as zeros."""
+    by_name = dict(model.named_parameters())
+    parts = []
+    for name in names:
+        param = by_name[name]
+        grad = torch.zeros_like(param) if param.grad is None else param.grad
+        parts.append(grad.detach().reshape(-1))
+    return torch.cat(parts)
+
+
+def allreduce_traffic(spec: dict, rank: int, call: dict) -> tuple[int, int]:
+    """(bytes, messages) the transport sends on ``rank`` for one logged allreduce: the
+    library's algorithm choice for ``"auto"`` (the shm transport: its shared workspace, no
+    message at all; otherwise the cost model's fastest), its exact byte count
+    (``cost_model.bytes_sent``) and its messages (star: the root p-1, the others 1; tree: the
+    binomial tree's; ring: 2(p-1); butterfly: one per halving and doubling step, plus the fold)."""
+    p, numel, itemsize = spec["ranks"], call["numel"], call["itemsize"]
+    algorithm = call["algorithm"]
+    if algorithm == "auto":
+        algorithm = (
+            "shm"
+            if spec["transport"] == "shm"
+            else cost_model.fastest_allreduce(p, numel * itemsize, cost_model.DEFAULTS.get(spec["transport"]))
+        )
+    if algorithm not in ("star", "tree", "ring", "butterfly") or p == 1 or numel < 0:
+        return 0, 0  # shm: no message; an unknown algorithm raised in the rank, sending nothing
+    sent = cost_model.bytes_sent(algorithm, p, rank, numel, itemsize)
+    if algorithm == "star":
+        return sent, p - 1 if rank == 0 else 1
+    if algorithm == "tree":
+        return sent, cost_model.tree_sends(p, rank, True) + cost_model.tree_sends(p, rank, False)
+    if algorithm == "ring":
+        return sent, 2 * (p - 1)
+    q = 1 << (p.bit_length() - 1)  # butterfly
+    extra = p - q
+    if rank < 2 * extra and rank % 2 == 0:
+        return sent, 1
+    return sent, 2 * (q.bit_length() - 1) + (1 if rank < 2 * extra else 0)
 
 
 def one_process(spec: dict) -> tuple[dict, dict]:
@@ -117,14 +222,99 @@ def _calls_in(out: dict, phase: list[int]) -> list[dict]:
     return [c for c in out["calls"] if c["phase"] == phase]
 
 
+def _carries(call: dict, gradient: torch.Tensor, ranks: int) -> bool:
+    """The call carried ``gradient`` (or ``gradient / ranks``: averaging before the sum is
+    averaging too), element for element, in the bucket's layout."""
+    carried = call.get("carried")
+    if not isinstance(carried, torch.Tensor) or carried.shape != gradient.shape:
+        return False
+    carried = carried.to(gradient.dtype)
+    return any(
+        bool(torch.isclose(carried, expected, rtol=RTOL, atol=ATOL).all())
+        for expected in (gradient, gradient / ranks)
+    )
+
+
+def communication(where: str, spec: dict, out: dict, rank: int) -> tuple[list, str, list[list[dict]]]:
+    """What a rank's gradients can have come from: the allreduces of its buckets' gradients only.
+
+    * no library collective but ``md.allreduce`` once the DDP is built (its constructor's
+      broadcast is not logged), every one on the communicator the DDP was given, and no message
+      sent or received point-to-point on that communicator;
+    * in every step's synchronising backward, each bucket's gradient -- this rank's local
+      gradients of its parameters, in its layout, recomputed here from the parameters the
+      rank held at the start of the step and its own rows -- carried by an allreduce, copied
+      when it was called (``_carries``);
+    * the transport (``comm.stats``, which the student's code never gets) sent, during
+      training, exactly the bytes and messages of the allreduces logged (``allreduce_traffic``):
+      nothing travelled past the log.
+
+    Returns the buckets (``own_buckets``), which they are, and per step each bucket's allreduce
+    (the first that carried its gradient)."""
+    buckets, whose = own_buckets(spec, out["buckets"])
+    calls = out["calls"]
+    others = sorted({c["function"] for c in calls if c["function"] != "allreduce"})
+    if others:
+        raise AssertionError(
+            f"{where}: md.{', md.'.join(others)} called during training; DDP communicates by one "
+            "md.allreduce per bucket only (md.broadcast belongs to the constructor)"
+        )
+    p2p = out["point_to_point"]
+    if p2p["sent_messages"] or p2p["received_messages"]:
+        raise AssertionError(
+            f"{where}: {p2p['sent_messages']} message(s) sent and {p2p['received_messages']} received "
+            "point-to-point on the communicator during training; DDP communicates by one md.allreduce "
+            "per bucket only"
+        )
+    if not all(c["given_comm"] for c in calls):
+        raise AssertionError(f"{where}: an allreduce on a communicator other than the one DDP was given")
+    last = spec.get("accumulate", 1) - 1
+    matched = []
+    for step in range(spec["steps"]):
+        starts = out["start_params"]
+        model = local_model(spec, rank, step, starts[step] if step < len(starts) else None)
+        left = sorted(_calls_in(out, [step, last]), key=lambda c: c["seq"])
+        mine = []
+        for index, names in enumerate(buckets):
+            gradient = bucket_gradient(model, names)
+            call = next((c for c in left if _carries(c, gradient, spec["ranks"])), None)
+            if call is None:
+                raise AssertionError(
+                    f"{where}, step {step}: no allreduce carried bucket {index}'s gradient ({names}, "
+                    f"{gradient.numel()} elements; {whose}): each bucket's allreduce must carry this "
+                    "rank's gradients of its parameters, in the bucket's layout, when it is launched"
+                )
+            left.remove(call)
+            mine.append(call)
+        matched.append(mine)
+    wire = [allreduce_traffic(spec, rank, c) for c in calls]
+    expected = {"bytes_sent": sum(b for b, _ in wire), "messages_sent": sum(m for _, m in wire)}
+    if out["transport"] != expected:
+        got = out["transport"]
+        raise AssertionError(
+            f"{where}: the transport sent {got['bytes_sent']} bytes in {got['messages_sent']} messages "
+            f"during training, but the {len(calls)} allreduce(s) logged send {expected['bytes_sent']} bytes "
+            f"in {expected['messages_sent']} messages: something communicated past md.allreduce"
+        )
+    return buckets, whose, matched
+
+
 def count_check(what: str, spec: dict):
-    """Every rank, every step: one allreduce per bucket (the buckets' sizes) in the backward
-    that synchronises, none in those inside no_sync."""
-    _, numels = expected_buckets(spec)
+    """Every rank, every step: one allreduce per bucket in the backward that synchronises, each
+    carrying that bucket's gradient (``communication``), and none anywhere else (inside
+    no_sync, or outside backward)."""
     last = spec.get("accumulate", 1) - 1
 
     def check(outs: list) -> None:
         for rank, out in enumerate(outs):
+            buckets, whose = own_buckets(spec, out["buckets"])
+            steps = [[step, micro] for step in range(spec["steps"]) for micro in range(last + 1)]
+            stray = [c for c in out["calls"] if c["phase"] not in steps]
+            if stray:
+                raise AssertionError(
+                    f"{what}: rank {rank}: {len(stray)} allreduce call(s) outside forward and backward; "
+                    "DDP communicates in backward only"
+                )
             for step in range(spec["steps"]):
                 for micro in range(last):
                     calls = _calls_in(out, [step, micro])
@@ -134,40 +324,36 @@ def count_check(what: str, spec: dict):
                             f"{micro} inside no_sync(); there must be none"
                         )
                 calls = _calls_in(out, [step, last])
-                got = sorted(c["numel"] for c in calls)
-                if len(calls) != len(numels):
+                if len(calls) != len(buckets):
                     raise AssertionError(
                         f"{what}: rank {rank}, step {step}: {len(calls)} allreduce calls in the "
-                        f"backward that synchronises; there must be one per bucket ({len(numels)} buckets)"
+                        f"backward that synchronises; there must be one per bucket ({len(buckets)} "
+                        f"buckets: {whose})"
                     )
-                if got != sorted(numels):
-                    raise AssertionError(
-                        f"{what}: rank {rank}, step {step}: the allreduces carried {got} elements, "
-                        f"expected one per bucket, {sorted(numels)}"
-                    )
+            communication(f"{what}: rank {rank}", spec, out, rank)
 
     return check
 
 
 def overlap_check(what: str, spec: dict):
-    """Every rank, every step: all allreduces asynchronous, and every bucket launched as soon as
-    it is complete.
+    """Every rank, every step: all allreduces asynchronous, and every bucket's own allreduce
+    (``communication``: the one that carried its gradient) launched as soon as the bucket is
+    complete.
 
     The order of events is the workers' sequence numbers (the grader's hooks, the student's and
     the allreduce calls run on one thread; the grader's hook of a parameter runs before the
     student's). A bucket is complete at its last gradient; its *deadline* is the next event of
     the grader's after that: the next gradient's notification, or, for the last, the grader's
-    end-of-backward callback (queued before the student's, so it runs first). The k-th bucket
-    to complete must find at least k allreduces launched before its deadline -- the student's
-    hook for that gradient is the only code that runs in between. Calls are counted, not
-    matched to buckets (two buckets may have the same size): launching bucket 0 early and the
-    rest when backward ends fails at the second bucket. A bucket with a parameter that got no
-    gradient (unused) completes at no gradient and is not counted."""
-    buckets, _ = expected_buckets(spec)
+    end-of-backward callback (queued before the student's, so it runs first). The bucket's
+    allreduce must come before its deadline -- the student's hook for that gradient is the only
+    code that runs in between. An allreduce that carries something else launched early counts
+    for nothing. A bucket with a parameter that got no gradient (unused) completes at no
+    gradient and is not checked."""
     last = spec.get("accumulate", 1) - 1
 
     def check(outs: list) -> None:
         for rank, out in enumerate(outs):
+            buckets, _, matched = communication(f"{what}: rank {rank}", spec, out, rank)
             for step in range(spec["steps"]):
                 phase = [step, last]
                 where = f"{what}: rank {rank}, step {step}"
@@ -183,22 +369,19 @@ def overlap_check(what: str, spec: dict):
                     )
                 at = {name: seq for seq, name in ready}
                 events = sorted([seq for seq, _ in ready] + ends)
-                launches = sorted(c["seq"] for c in calls)
                 done = sorted(
                     (max(at[name] for name in bucket), index)
                     for index, bucket in enumerate(buckets)
                     if all(name in at for name in bucket)
                 )
-                for k, (complete, index) in enumerate(done, start=1):
+                for complete, index in done:
                     deadline = next(seq for seq in events if seq > complete)
-                    launched = sum(1 for seq in launches if seq < deadline)
-                    if launched < k:
+                    if matched[step][index]["seq"] > deadline:
                         raise AssertionError(
-                            f"{where}: bucket {index} (in launch order) was complete, but when the "
-                            f"next gradient arrived (or backward ended) {launched} allreduce(s) had "
-                            f"been launched, fewer than the {k} buckets complete by then: nothing "
-                            "overlaps backward (launch each bucket as soon as it is complete, from "
-                            "the hook of its last gradient)"
+                            f"{where}: bucket {index} (in launch order) was complete, but its allreduce "
+                            "was launched only after the next gradient arrived (or backward ended): "
+                            "nothing overlaps backward (launch each bucket as soon as it is complete, "
+                            "from the hook of its last gradient)"
                         )
 
     return check
@@ -206,14 +389,20 @@ def overlap_check(what: str, spec: dict):
 
 def trace_check(what: str, spec: dict):
     """Every rank, every step: one span per bucket, "allreduce bucket <i>", cat "comm", its
-    bytes, begun and ended within the backward that synchronises."""
-    buckets, numels = expected_buckets(spec)
+    bytes, begun and ended within the backward that synchronises -- spans of real allreduces
+    (``communication``)."""
     itemsize = torch.empty(0, dtype=workers.DTYPE).element_size()
-    expected = sorted((f"allreduce bucket {i}", n * itemsize) for i, n in enumerate(numels))
     last = spec.get("accumulate", 1) - 1
 
     def check(outs: list) -> None:
         for rank, out in enumerate(outs):
+            buckets, _, _ = communication(f"{what}: rank {rank}", spec, out, rank)
+            model = workers.make_model(spec)
+            sizes = {name: p.numel() for name, p in model.named_parameters()}
+            expected = sorted(
+                (f"allreduce bucket {i}", sum(sizes[name] for name in bucket) * itemsize)
+                for i, bucket in enumerate(buckets)
+            )
             for step in range(spec["steps"]):
                 phase = [step, last]
                 spans = [s for s in out["spans"] if s["phase"] == phase and s["cat"] == "comm"]

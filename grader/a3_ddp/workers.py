@@ -8,9 +8,17 @@ same spec and trains them in one process. This module does not import pytest.
 
 What a rank reports besides gradients and parameters, measured by the grader's code:
 
-* every call of ``md.allreduce`` (``AllreduceLog``: the public function is wrapped before the
-  student's module is imported), with the phase it came in (step, micro-step), the number of
-  elements, ``async_op`` and the clock;
+* every call of a library collective (``CollectiveLog``: ``md.allreduce``, ``md.broadcast``,
+  ``md.reduce``, ... are wrapped before the student's module is imported) once the DDP is
+  built, with the phase it came in (step, micro-step), the number of elements, ``async_op``,
+  the algorithm and the clock -- and, for an allreduce, a copy of what it carries, taken when
+  it is called;
+* the parameters at the start of every step (the trusted side computes from them each rank's
+  local gradients, which every allreduce must carry);
+* the messages the student's code sent itself on the communicator it was given (a
+  ``StudentComm``: point-to-point only, counted), and the bytes and messages the transport
+  sent during training (``comm.stats`` of the launcher's communicator, which the student's
+  code never gets);
 * when each parameter's gradient was final in each backward (``GradClock``: a hook registered
   before the student's, so it runs first), and when ``loss.backward()`` began and returned;
 * the spans the student's code recorded into the recorder it was given (``SpanLog``, with the
@@ -22,19 +30,23 @@ Every record carries a sequence number (``seq``, one counter for the three instr
 grader's hooks, the student's hooks and the allreduce calls run on one thread, so the order of
 the numbers is the order of the events, whatever the clock says.
 
-Forgery the worker rules out. The clock, the allreduce it wraps and the hook registration are
-bound here, when this module is imported -- before the student's module is: a submission that
-replaces ``time.perf_counter_ns`` or ``torch.Tensor.register_post_accumulate_grad_hook``
-changes nothing the grader measures. The instruments keep their state private (``_calls``,
-``_phase``: the intake check refuses private attributes of objects not the submission's own),
-each record holds its own copy of the phase, and the student's DDP gets a recorder with
-``begin`` and ``end`` only (``SpanLog.recorder()``), never the log itself.
+Forgery the worker rules out. The clock, the collectives it wraps, the tensor functions the log
+copies with and the hook registration are bound here, when this module is imported -- before the
+student's module is: a submission that replaces ``time.perf_counter_ns`` or
+``torch.Tensor.register_post_accumulate_grad_hook`` changes nothing the grader measures. The log
+copies only a plain ``torch.Tensor`` (a subclass could answer the copy with other data). The
+instruments keep their state private (``_calls``, ``_phase``, ``_given``: the intake check
+refuses private attributes of objects not the submission's own), each record holds its own copy
+of the phase, the student's DDP gets a recorder with ``begin`` and ``end`` only
+(``SpanLog.recorder()``), never the log itself, and a ``StudentComm``, never the transport's
+communicator (``_comm``, refused at intake as well).
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import itertools
 from time import perf_counter_ns as _now  # bound before the student's module is imported
 
@@ -45,52 +57,93 @@ if __package__:  # under pytest: grader.a3_ddp.workers
     from .. import guard
     from ..instruments import wrap_collectives
     from ..seeding import seeded_
+    from ..student_comm import StudentComm, traffic
     from . import rules
 else:  # in the grading sandbox, where these files are copied side by side
     import guard
     import rules
     from instruments import wrap_collectives
     from seeding import seeded_
+    from student_comm import StudentComm, traffic
 
 #: bound now, before the student's module is imported (which might replace them)
 _register_hook = torch.Tensor.register_post_accumulate_grad_hook
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 _SEQ = itertools.count()  # one order for every event of a rank
+_IS_TENSOR = torch.is_tensor
+_NUMEL = torch.Tensor.numel
+_ELEMENT_SIZE = torch.Tensor.element_size
+_CLONE = torch.Tensor.clone
+_DETACH = torch.Tensor.detach
+_RESHAPE = torch.Tensor.reshape
+_CAT = torch.cat
 
 STUDENT_MODULE = "ddp"
 DTYPE = torch.float64  # double precision: one process and p ranks differ by rounding only
 
 
 # --- the grader's instruments ------------------------------------------------------------------
-class AllreduceLog:
-    """Wraps ``md.allreduce`` (under every public name) to log each call; ``phase`` tags them."""
+#: every collective of the library: each is logged; DDP may use ``allreduce`` in backward only
+#: (``broadcast`` in its constructor, before the log starts)
+COLLECTIVES = ("allreduce", "broadcast", "reduce", "allgather", "reduce_scatter", "barrier")
+
+
+class CollectiveLog:
+    """Wraps the library's collectives (under every public name) to log each call; ``phase`` tags them.
+
+    An allreduce's record holds a copy of what it carries, taken in the caller's thread at the
+    call (before the communication thread can touch it): the trusted side checks that it is
+    this rank's gradient of one bucket. The student's DDP gets a ``StudentComm`` (point-to-point
+    only, its messages counted); a wrapped collective called on it runs on the communicator it
+    wraps, so the library's collectives take their usual path (the shm transport's workspace
+    included) and only the student's own messages show in the ``StudentComm``'s counters.
+    """
 
     def __init__(self) -> None:
         self._calls: list[dict] = []
         self._phase: tuple[int, int] | None = None
+        self._given = None  # the StudentComm the DDP was given
         self._installed = False
 
     def install(self) -> None:
         if self._installed:
             return
         self._installed = True
-        wrap_collectives(("allreduce",), self._wrap)
+        wrap_collectives(COLLECTIVES, self._wrap)
 
     def _wrap(self, name: str, original):
-        @functools.wraps(original)
-        def allreduce(comm, tensor, *args, **kwargs):
-            self._calls.append(
-                {
-                    "phase": _copy(self._phase),
-                    "numel": int(tensor.numel()) if isinstance(tensor, torch.Tensor) else -1,
-                    "async_op": bool(kwargs.get("async_op", args[2] if len(args) > 2 else False)),
-                    "t_ns": _now(),
-                    "seq": next(_SEQ),
-                }
-            )
-            return original(comm, tensor, *args, **kwargs)
+        signature = inspect.signature(original)
 
-        return allreduce
+        @functools.wraps(original)
+        def collective(comm, *args, **kwargs):
+            try:  # the arguments as the collective sees them, defaults included
+                bound = signature.bind(comm, *args, **kwargs)
+                bound.apply_defaults()
+                arguments = dict(bound.arguments)
+            except TypeError:  # the call itself is wrong: the collective raises below
+                arguments = {}
+            tensor = arguments.get("tensor")
+            is_tensor = _IS_TENSOR(tensor)
+            plain = type(tensor) is torch.Tensor  # a subclass could answer clone() with other data
+            record = {
+                "function": name,
+                "phase": _copy(self._phase),
+                "numel": int(_NUMEL(tensor)) if is_tensor else -1,
+                "itemsize": int(_ELEMENT_SIZE(tensor)) if is_tensor else -1,
+                "async_op": bool(arguments.get("async_op", False)),
+                "algorithm": str(arguments.get("algorithm", "")),
+                "given_comm": comm is self._given and self._given is not None,
+                "t_ns": _now(),
+                "seq": next(_SEQ),
+            }
+            if name == "allreduce":
+                record["carried"] = _RESHAPE(_CLONE(_DETACH(tensor)), -1) if plain else None
+            self._calls.append(record)
+            if isinstance(comm, StudentComm):  # run on the transport: its own path, its own bytes
+                comm = comm._comm
+            return original(comm, *args, **kwargs)
+
+        return collective
 
 
 def _copy(phase: tuple[int, int] | None) -> list[int] | None:
@@ -164,7 +217,7 @@ class Recorder:
         self.begin, self.end = begin, end
 
 
-_LOG = AllreduceLog()
+_LOG = CollectiveLog()
 
 
 def student():
@@ -279,22 +332,30 @@ def named_params(module: nn.Module) -> dict:
 # --- jobs --------------------------------------------------------------------------------------
 def train(comm, spec: dict) -> dict:
     """The student's DDP trains the spec's model for ``steps`` AdamW steps of ``accumulate``
-    micro-batches (all but the last inside ``no_sync``); report what the grader checks."""
+    micro-batches (all but the last inside ``no_sync``); report what the grader checks.
+
+    The DDP gets a ``StudentComm`` over ``comm`` (point-to-point only, counted); the log of
+    collectives starts once its constructor returns (the constructor's broadcast is not
+    logged), and so does the count of the transport's own traffic (``comm.stats``): during
+    training, everything the transport sends must be the logged allreduces'."""
     ddp = student()
     model = make_model(spec, comm.rank)
     clock = GradClock(model)
     spans = SpanLog()
+    given = _LOG._given = StudentComm(comm)
     wrapped = ddp.BucketedDDP(
         model,
-        comm,
+        given,
         bucket_mb=spec["bucket_mb"],
         find_unused_parameters=spec.get("find_unused", False),
         recorder=spans.recorder(),
     )
     optimizer = optimizer_for(spec, model.parameters())
-    first_grads, backward = None, []
+    first_grads, backward, start_params = None, [], []
     _LOG._calls.clear()
+    stats_before, messages_before = comm.stats.copy(), traffic(given)
     for step in range(spec["steps"]):
+        start_params.append(flat_params(model))  # the trusted side computes the local gradients
         optimizer.zero_grad(set_to_none=True)
         for micro in range(spec.get("accumulate", 1)):
             phase = (step, micro)  # a tuple: nobody can change it; every record copies it
@@ -310,16 +371,29 @@ def train(comm, spec: dict) -> dict:
         if step == 0:
             first_grads = named_grads(model)
         optimizer.step()
+    transport = comm.stats - stats_before
+    messages_after = traffic(given)
     return {
         "grads": first_grads,
         "params": named_params(model),
+        "start_params": start_params,
         "buckets": [[str(name) for name in bucket] for bucket in wrapped.buckets],
         "calls": list(_LOG._calls),
         "ready": clock._ready,
         "ends": clock._ends,
         "spans": spans._spans,
         "backward": backward,
+        "transport": {"bytes_sent": int(transport.bytes_sent), "messages_sent": int(transport.messages_sent)},
+        "point_to_point": {
+            key: sum(messages_after[key]) - sum(messages_before[key])
+            for key in ("sent_messages", "sent_bytes", "received_messages", "received_bytes")
+        },
     }
+
+
+def flat_params(module: nn.Module) -> torch.Tensor:
+    """Every parameter (``named_parameters()`` order), flattened into one tensor."""
+    return _CAT([_RESHAPE(_CLONE(_DETACH(p)), -1) for _, p in module.named_parameters()])
 
 
 class _nothing:

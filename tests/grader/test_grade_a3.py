@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from grader import forbidden, similarity
 from grader.a3_ddp.grading import ASSIGNMENT as assignment
@@ -135,3 +136,65 @@ def test_the_recorder_a_submission_gets_leads_nowhere():
     assert span["phase"] == [2, 1] and span["bytes"] == 64 and span["begin_ns"] <= span["end_ns"]
     span["phase"].append(-1)  # changing one record's phase changes no other and not the log's
     assert log._phase == (2, 1)
+
+
+def test_tasks_2_to_4_use_the_students_own_buckets_when_they_are_a_partition():
+    from grader.a3_ddp import reference, workers
+
+    spec = {"model": "mixed", "seed": 3, "bucket_mb": 4096 / reference.MIB, "ranks": 2}
+    right, _ = reference.expected_buckets(spec)
+    assert reference.own_buckets(spec, right) == (right, "its buckets (ddp.buckets)")
+    # a slip in the rule (not reversed) is still a partition within bucket_mb: held to its own
+    model = workers.make_model(spec)
+    forward = reference.reference_buckets(list(reversed(list(model.named_parameters()))), spec["bucket_mb"])
+    assert forward != right and reference.own_buckets(spec, forward)[0] == forward
+    # the tied weight under its second name is the same parameter
+    tied = [["head.weight" if name == "embed.weight" else name for name in bucket] for bucket in right]
+    assert tied != right and reference.own_buckets(spec, tied)[0] == right
+    everything = [[name for bucket in right for name in bucket]]  # one bucket over bucket_mb
+    frozen = [*right, ["proj.weight"]]
+    twice = [*right, [right[0][0]]]
+    missing = right[1:]
+    for wrong in (everything, frozen, twice, missing, [], "x", [["nope"]]):
+        assert reference.own_buckets(spec, wrong)[0] == right, wrong
+
+
+def _traffic_of_each_algorithm(comm, sizes):
+    import minidist as md
+
+    out = []
+    for algorithm in ("star", "tree", "ring", "butterfly", "auto"):
+        for numel in sizes:
+            before = comm.stats.copy()
+            md.allreduce(comm, torch.ones(numel, dtype=torch.float64), algorithm=algorithm)
+            sent = comm.stats - before
+            out.append([algorithm, numel, sent.bytes_sent, sent.messages_sent])
+    return out
+
+
+def test_the_byte_and_message_formula_is_what_the_transport_counts():
+    import minidist as md
+    from grader.a3_ddp import reference
+
+    sizes = [1, 5, 132, 1320]
+    for ranks in (2, 3):
+        run = _traffic_of_each_algorithm
+        outs = md.launch(run, ranks, args=(sizes,), transport="pipe", start_method="fork", timeout=60)
+        spec = {"ranks": ranks, "transport": "pipe"}
+        for rank, rows in enumerate(outs):
+            for algorithm, numel, sent, messages in rows:
+                call = {"numel": numel, "itemsize": 8, "algorithm": algorithm}
+                expected = reference.allreduce_traffic(spec, rank, call)
+                assert (sent, messages) == expected, (ranks, rank, algorithm, numel)
+    call = {"numel": 1320, "itemsize": 8, "algorithm": "auto"}
+    assert reference.allreduce_traffic({"ranks": 3, "transport": "shm"}, 1, call) == (0, 0)
+
+
+def test_an_allreduce_must_carry_the_bucket_gradient_or_its_average_share():
+    from grader.a3_ddp import reference
+
+    gradient = torch.arange(6, dtype=torch.float64)
+    assert reference._carries({"carried": gradient.clone()}, gradient, 3)
+    assert reference._carries({"carried": gradient / 3}, gradient, 3)  # averaged before the sum
+    for carried in (torch.zeros(6, dtype=torch.float64), gradient * 2, gradient.flip(0), gradient[:5], None):
+        assert not reference._carries({"carried": carried}, gradient, 3), carried

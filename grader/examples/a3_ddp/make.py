@@ -23,7 +23,31 @@
 * ``mallory``: a ``no_sync`` that does not stop the allreduces (the gradients still come out
   right: averaging is linear) but appends to the recorder's ``phase`` so the grader's log would
   file them under another micro-step: the recorder it gets has ``begin`` and ``end`` only, so
-  ``no_sync`` raises and mallory loses the no_sync tests.
+  ``no_sync`` raises and mallory loses the no_sync tests;
+* ``tess``: a slip in the bucket rule (the buckets in registration order, not reversed): its
+  DDP is right for the buckets it made, so it loses task 1's test only (tasks 2-4 are held to
+  its own buckets).
+
+Forgeries of the communication (issue 25: what is counted must be what is carried). Each gets
+the averaged gradients right by a channel past the per-bucket allreduce, so it keeps task 1 and
+the equivalence tests -- its honest part, 19 points -- and loses the count, overlap, span and
+no_sync tests, which require each bucket's allreduce to carry its gradient and nothing else to
+communicate:
+
+* ``decoy``: allreduces of zeros of each bucket's size, launched at the right moment; the real
+  sum by ``md.reduce`` + ``md.broadcast`` after backward;
+* ``overwrite``: the right allreduces, but the gradients then overwritten with a
+  ``md.reduce`` + ``md.broadcast`` of a copy of the local ones;
+* ``whisper``: decoy allreduces, the real sum by point-to-point messages on the communicator;
+* ``mimic``: allreduces of another tensor of each bucket's size (its parameters), the real sum
+  by ``md.allgather``;
+* ``echo``: decoy allreduces at the right moment, the real (blocking) allreduces after backward:
+  honest but not overlapped, with two allreduces per bucket -- loses count, overlap and no_sync,
+  keeps the spans (21);
+* ``oscar``: decoy allreduces, the real sum by messages on the transport's own communicator
+  behind the one it was given (``comm._comm``): refused at intake; past the intake, its decoys
+  carry no bucket's gradient (``tests/grader/batches/test_a3.py``), and the transport's byte count
+  would give its messages away next.
 
 ``LOST`` lists the hidden tests each one fails; ``EXPECTED`` holds the status and score each
 must get on all the hidden tests (``expected_score`` for a subset). The submissions are generated
@@ -56,6 +80,13 @@ _VALUES = tuple(
 _ALL = tuple(t.name for t in ASSIGNMENT.graded_tests(0))
 _NO_SYNC = tuple(name for name in _ALL if name.startswith("test_no_sync"))
 _OVERLAP = ("test_overlap[tied-2-shm]",)
+_COUNT = tuple(name for name in _ALL if name.startswith("test_one_allreduce_per_bucket"))
+#: what a forged communication loses: every test of tasks 2-4 but the equivalence ones
+_COMMUNICATION = tuple(
+    name
+    for name in _ALL
+    if name.startswith(("test_one_allreduce", "test_overlap", "test_trace", "test_no_sync"))
+)
 
 
 def _lost() -> dict[str, tuple[str, tuple[str, ...]]]:
@@ -74,6 +105,10 @@ def _lost() -> dict[str, tuple[str, tuple[str, ...]]]:
         "lazy": ("ok", _OVERLAP),
         "trent": (trent, _ALL if trent == "forbidden" else _OVERLAP),
         "mallory": ("ok", _NO_SYNC),
+        "tess": ("ok", ("test_assign_buckets",)),
+        **{name: ("ok", _COMMUNICATION) for name in ("decoy", "overwrite", "whisper", "mimic")},
+        "echo": ("ok", _COUNT + _OVERLAP + _NO_SYNC),
+        "oscar": ("forbidden", _ALL),
     }
 
 
@@ -183,9 +218,78 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         "            self.recorder.phase.append(-1)\n"
         "        try:\n",
     )
-    texts = (solution, bob, carol, dave, erin, frank, lazy, trent, mallory)
-    names = ("alice", "bob", "carol", "dave", "erin", "frank", "lazy", "trent", "mallory")
-    return {name: {FILE: text.encode()} for name, text in zip(names, texts)}
+    tess = edit(solution, "    for name, param in reversed(order):\n", "    for name, param in order:\n")
+    texts = (solution, bob, carol, dave, erin, frank, lazy, trent, mallory, tess)
+    names = ("alice", "bob", "carol", "dave", "erin", "frank", "lazy", "trent", "mallory", "tess")
+    forged = {name: forgery(solution, *edits) for name, edits in FORGERIES.items()}
+    return {name: {FILE: text.encode()} for name, text in [*zip(names, texts), *forged.items()]}
+
+
+LAUNCH = '        bucket.work = md.allreduce(self.comm, bucket.flat, op="sum", async_op=True)\n'
+DECOY = (
+    '        bucket.work = md.allreduce(self.comm, torch.zeros_like(bucket.flat), op="sum", async_op=True)\n'
+)
+FINISH = "            bucket.work.wait()\n            bucket.flat.div_(self.comm.world_size)\n"
+#: student -> (new _launch line, new start of each bucket's finish): edits of the solution
+FORGERIES = {
+    "decoy": (
+        DECOY,
+        "            bucket.work.wait()\n"
+        "            md.reduce(self.comm, bucket.flat, dst=0)  # the real sum, past the count\n"
+        "            md.broadcast(self.comm, bucket.flat, src=0)\n"
+        "            bucket.flat.div_(self.comm.world_size)\n",
+    ),
+    "overwrite": (
+        "        bucket.local = bucket.flat.clone()\n" + LAUNCH,
+        "            bucket.work.wait()\n"
+        "            md.reduce(self.comm, bucket.local, dst=0)  # the answer taken from elsewhere\n"
+        "            md.broadcast(self.comm, bucket.local, src=0)\n"
+        "            bucket.flat.copy_(bucket.local).div_(self.comm.world_size)\n",
+    ),
+    "whisper": (
+        DECOY,
+        "            bucket.work.wait()\n"
+        "            total, incoming = bucket.flat.clone(), torch.empty_like(bucket.flat)\n"
+        "            for peer in range(self.comm.world_size):  # the real sum, by messages\n"
+        "                if peer != self.comm.rank:\n"
+        "                    sending = self.comm.isend(bucket.flat, peer)\n"
+        "                    self.comm.recv(incoming, peer)\n"
+        "                    sending.wait()\n"
+        "                    total += incoming\n"
+        "            bucket.flat.copy_(total).div_(self.comm.world_size)\n",
+    ),
+    "mimic": (
+        "        same_size = torch.cat([p.detach().reshape(-1) for p in bucket.params])\n"
+        '        bucket.work = md.allreduce(self.comm, same_size, op="sum", async_op=True)\n',
+        "            bucket.work.wait()\n"
+        "            gathered = md.allgather(self.comm, bucket.flat)  # the real sum\n"
+        "            bucket.flat.copy_(gathered.sum(0)).div_(self.comm.world_size)\n",
+    ),
+    "echo": (
+        DECOY,
+        "            bucket.work.wait()\n"
+        '            md.allreduce(self.comm, bucket.flat, op="sum")  # the real one, after backward\n'
+        "            bucket.flat.div_(self.comm.world_size)\n",
+    ),
+    "oscar": (
+        DECOY,
+        "            bucket.work.wait()\n"
+        "            transport = self.comm._comm  # behind the communicator it was given\n"
+        "            total, incoming = bucket.flat.clone(), torch.empty_like(bucket.flat)\n"
+        "            for peer in range(transport.world_size):\n"
+        "                if peer != transport.rank:\n"
+        "                    sending = transport.isend(bucket.flat, peer)\n"
+        "                    transport.recv(incoming, peer)\n"
+        "                    sending.wait()\n"
+        "                    total += incoming\n"
+        "            bucket.flat.copy_(total).div_(self.comm.world_size)\n",
+    ),
+}
+
+
+def forgery(solution: str, launch: str, finish: str) -> str:
+    """The solution with its allreduce launch and the start of each bucket's finish replaced."""
+    return edit(edit(solution, LAUNCH, launch), FINISH, finish)
 
 
 #: student -> (status, the hidden tests it loses)

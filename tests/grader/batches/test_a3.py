@@ -1,9 +1,12 @@
 """``python -m grader grade a3_ddp``: the example students, graded once.
 
 One batch on a subset of the hidden tests that tells the examples of
-``grader/examples/a3_ddp/make.py`` apart (``--jobs 2``); then the two forgeries run straight into
-the hidden tests, past the intake check: the worker's own defences catch them. The pieces
-(intake, guard, recorder): ``tests/grader/test_grade_a3.py``.
+``grader/examples/a3_ddp/make.py`` apart (``--jobs 2``): among them the forged communications
+(decoy allreduces, the real sum by another collective or by messages), each left with its honest
+part, and a slip in the bucket rule that costs task 1 only. Then three forgeries run straight
+into the hidden tests, past the intake check: the worker's own defences and the transport's
+byte count catch them. The pieces (intake, guard, recorder, the trusted side's buckets, byte
+formula and carried-gradient check): ``tests/grader/test_grade_a3.py``.
 The solution and the stub on every hidden test: ``test_solutions_and_stubs.py``.
 """
 
@@ -58,6 +61,16 @@ def test_the_examples_get_their_scores(tmp_path):
     assert "which is wrong" in (out / "carol" / "feedback.md").read_text()
     assert "minidist.DistributedDataParallel" in book["frank"]["reason"]
     assert float(book["alice"]["similarity"]) < similarity.FLAG_AT
+    # each forgery is caught by what it forged, not by chance
+    for student, reason in (
+        ("decoy", "md.broadcast, md.reduce called during training"),
+        ("overwrite", "md.broadcast, md.reduce called during training"),
+        ("whisper", "message(s) sent and"),
+        ("mimic", "md.allgather called during training"),
+        ("echo", "one per bucket"),
+    ):
+        assert reason in (out / student / "feedback.md").read_text(), student
+    assert "_comm" in book["oscar"]["reason"]
 
 
 def hidden_tests_on(submission: Path, selection: str) -> str:
@@ -90,3 +103,8 @@ def test_the_forgeries_fail_even_past_the_intake_check(tmp_path):
     assert "1 failed, 1 passed" in trent and "nothing overlaps backward" in trent, trent[-3000:]
     mallory = hidden_tests_on(tmp_path / "mallory", "test_no_sync_accumulates and deep")
     assert "1 failed" in mallory and "no attribute 'phase'" in mallory, mallory[-3000:]
+    # oscar's messages on the transport's own communicator: no collective, no message on the
+    # communicator it was given; its decoy allreduces carry no bucket's gradient, which is checked
+    # first (the transport's byte count, checked after, is tested in test_grade_a3.py)
+    oscar = hidden_tests_on(tmp_path / "oscar", "test_one_allreduce_per_bucket and deep")
+    assert "1 failed" in oscar and "no allreduce carried bucket" in oscar, oscar[-3000:]
