@@ -34,6 +34,7 @@ from typing import Any
 
 from grader.forbidden import Rules
 from grader.plan import GradedTest, Job
+from grader.tiers import Tiers
 
 __all__ = ["Assignment", "Case"]
 
@@ -42,7 +43,8 @@ __all__ = ["Assignment", "Case"]
 class Case:
     """One hidden test: ``worker`` of the assignment's ``workers.py`` on ``world_size`` ranks with
     JSON ``args``; ``check(outs)`` raises when the reports are wrong (``outs[0]`` alone for an
-    assignment whose jobs run one process)."""
+    assignment whose jobs run one process). A measured case (``tiers`` given, ``grader/tiers.py``)
+    returns the measured value when the reports are right: it earns a fraction of ``points``."""
 
     name: str  # test_function or test_function[parameters]: the name students see
     points: float
@@ -50,8 +52,9 @@ class Case:
     worker: str
     world_size: int
     args: list
-    check: Callable[[Any], None]
+    check: Callable[[Any], Any]
     transport: str = "shm"
+    tiers: Tiers | None = None
 
     @property
     def test_function(self) -> str:
@@ -133,11 +136,17 @@ class Assignment:
     def graded_tests(self, seed: int) -> list[GradedTest]:
         """Every case as (job for the sandbox, trusted check for the grader), in table order."""
         tests = []
-        for case in self.cases(seed):
+        cases = self.cases(seed)
+        _one_column_per_quantity(self.name, cases)
+        for case in cases:
             job = Job(self.workers_module, case.worker, case.world_size, case.args, case.transport)
             check = _first_report(case.check) if self.one_process else case.check
-            tests.append(GradedTest(case.name, case.points, case.function, job, check))
+            tests.append(GradedTest(case.name, case.points, case.function, job, check, case.tiers))
         return tests
+
+    def measured(self) -> list[Case]:
+        """The measured cases (seed 0): the ones graded in tiers."""
+        return [case for case in self.cases(0) if case.tiers is not None]
 
     def failure_message(self, test: GradedTest, error: dict, seconds: float) -> str:
         """The student-facing message for a job that did not return (``error`` as the harness wrote it)."""
@@ -221,8 +230,13 @@ class Assignment:
                 case.function, case.world_size, case.transport, self.timeout, str(error)
             )
         else:
-            (_first_report(case.check) if self.one_process else case.check)(outs)
-            return
+            value = (_first_report(case.check) if self.one_process else case.check)(outs)
+            if case.tiers is None:
+                return
+            outcome = case.tiers.outcome(value, case.points)
+            if outcome.tier == 1:
+                return
+            failure = outcome.message  # under pytest a measured case passes at the top tier only
         pytest.fail(failure, pytrace=False)
 
     def pytest_tests(self) -> dict[str, Callable]:
@@ -270,10 +284,20 @@ class Assignment:
         return pytest.mark.parametrize("setup", params)(test)
 
 
-def _first_report(check: Callable[[Any], None]) -> Callable[[list], None]:
+def _first_report(check: Callable[[Any], Any]) -> Callable[[list], Any]:
     """A one-process case checks its one report (``md.launch`` returns a list of one)."""
 
-    def check_first(outs: list) -> None:
-        check(outs[0])
+    def check_first(outs: list) -> Any:
+        return check(outs[0])
 
     return check_first
+
+
+def _one_column_per_quantity(name: str, cases: list[Case]) -> None:
+    """Each measured case names its own quantity: it is the leaderboard's column."""
+    seen: dict[str, str] = {}
+    for case in cases:
+        if case.tiers is not None:
+            other = seen.setdefault(case.tiers.quantity, case.name)
+            if other != case.name:
+                raise ValueError(f"{name}: {other} and {case.name} both measure {case.tiers.quantity!r}")

@@ -40,6 +40,7 @@ import fnmatch
 import hashlib
 import importlib
 import json
+import math
 import os
 import queue
 import re
@@ -66,7 +67,7 @@ HARNESS = Path(__file__).resolve().parent / "harness.py"
 #: sandbox-side modules every assignment's workers import (copied beside harness.py)
 SHARED_SANDBOX_FILES = ("guard.py", "student_comm.py", "seeding.py", "instruments.py")
 #: trusted modules whose change changes grades (part of the hash that decides what to regrade)
-TRUSTED_FILES = ("forbidden.py", "similarity.py", "assignment.py", "plan.py", "stubs.py")
+TRUSTED_FILES = ("forbidden.py", "similarity.py", "assignment.py", "plan.py", "stubs.py", "tiers.py")
 UID_BASE = 64000  # sandbox user ids: UID_BASE + slot, one per parallel job
 #: held by an isolated grading run: the sandbox user ids are the same in every run, and a run's
 #: cleanup kills every process of its ids, so two runs at once would kill each other's sandboxes
@@ -370,12 +371,22 @@ class Grader:
                 return result, None
             return result, (None if import_error is None else str(import_error))
         try:
-            test.check(record["value"])
+            value = test.check(record["value"])
         except (Exception, pytest.fail.Exception) as error:  # pytest.fail's is a BaseException
             text = str(error) or type(error).__name__
             if not isinstance(error, (pytest.fail.Exception, AssertionError)):
                 text = f"malformed result ({type(error).__name__}: {text[:200]})"
             result.message = self.assignment.redact(text)
+            return result, None
+        if test.tiers is not None:  # right: the measured value earns its tier's fraction
+            outcome = test.tiers.outcome(value, test.points)
+            result.quantity, result.order, result.message = (
+                test.tiers.quantity,
+                test.tiers.order,
+                outcome.message,
+            )
+            result.measured = None if math.isnan(outcome.value) else outcome.value
+            result.points, result.passed = outcome.fraction * test.points, outcome.tier == 1
             return result, None
         result.passed, result.points = True, test.points
         return result, None
@@ -536,6 +547,11 @@ def main(args: argparse.Namespace) -> int:
             for s in submissions
         ]
         report.write_gradebook(out / "gradebook.csv", book, grader.test_names)
+        measured = {t.name: t.tiers for t in grader.assignment.graded_tests(0) if t.tiers is not None}
+        measured = {name: tiers for name, tiers in measured.items() if name in grader.test_names}
+        if measured:
+            ids = [s.student for s in submissions]
+            report.write_leaderboards(out, {i: rows[i] for i in ids if i in rows}, measured)
         for problem in remove_tree(grader.work_root)[:5]:
             print(f"warning: cleanup left {problem}", file=sys.stderr)
     print(report.summary_table(book, similarity.FLAG_AT))

@@ -44,6 +44,7 @@ GRADER_MODULES = (
     "student_comm.py",
     "seeding.py",
     "text.py",
+    "tiers.py",
     "tree.py",
     "cgroups.py",
     "wire.py",

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from grader.tiers import Tiers
+
 
 @dataclass(frozen=True)
 class Job:
@@ -44,13 +46,17 @@ class Job:
 
 @dataclass(frozen=True)
 class GradedTest:
-    """One hidden test: ``check(outs)`` raises (pytest.fail, AssertionError, ...) when it fails."""
+    """One hidden test: ``check(outs)`` raises (pytest.fail, AssertionError, ...) when it fails.
+
+    A measured test (``tiers`` given) returns the measured value when the result is right; the
+    value earns a fraction of ``points`` by ``tiers`` (``grader/tiers.py``)."""
 
     name: str
     points: float
     function: str  # the student function it exercises (for hints and the summary)
     job: Job
-    check: Callable[[list], None]
+    check: Callable[[list], Any]
+    tiers: Tiers | None = None
 
 
 @dataclass
@@ -60,5 +66,8 @@ class TestResult:
     max_points: float
     passed: bool
     function: str
-    message: str = ""  # why it failed, already redacted
+    message: str = ""  # why it failed, already redacted; for a measured test, what it measured
     seconds: float = 0.0
+    measured: float | None = None  # a measured test's value (None: not one, or the result was wrong)
+    quantity: str = ""  # what it measures (the leaderboard's column)
+    order: str = ""  # "asc" when lower is better (Gradescope's leaderboard order)

@@ -21,11 +21,13 @@ import csv
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import text
 from .plan import TestResult
+from .tiers import Tiers, leaderboard_rows
 
 STATUS_HELP = {
     "ok": "graded",
@@ -101,6 +103,14 @@ def results_json(graded: Graded) -> dict:
             "tests_seconds": round(sum(t.seconds for t in graded.tests), 2),  # inside md.launch
         },
     }
+    measured = [t for t in graded.tests if t.quantity]
+    if measured:  # the measured tests (grader/tiers.py): their values, and Gradescope's leaderboard
+        data["extra_data"]["measured"] = {t.name: t.measured for t in measured}
+        data["leaderboard"] = [
+            {"name": t.quantity, "value": t.measured, "order": t.order}
+            for t in measured
+            if t.measured is not None
+        ]
     return text.finite(data)
 
 
@@ -165,7 +175,11 @@ def feedback_md(graded: Graded, hints: dict[str, str]) -> str:
                 f"| `{function}` | {passed} / {len(tests)} | "
                 f"{sum(t.points for t in tests):g} / {sum(t.max_points for t in tests):g} |"
             )
-    failed = [t for t in graded.tests if not t.passed]
+    measured = [t for t in graded.tests if t.quantity and t.measured is not None]
+    if measured:  # right, and graded in tiers: what was measured and what it earned
+        lines += ["", "## Measured", ""]
+        lines += [f"- `{t.name}`: {text.inline(t.message)}" for t in measured]
+    failed = [t for t in graded.tests if not t.passed and t not in measured]
     if failed:
         lines += ["", "## What failed, and why", ""]
         shown: set[str] = set()
@@ -202,6 +216,37 @@ def write_gradebook(path: Path, rows: list[dict], test_names: list[str]) -> None
         for row in rows:
             writer.writerow(row)
     os.replace(tmp, path)
+
+
+def write_leaderboards(out: Path, results: dict[str, dict], measured: dict[str, Tiers]) -> None:
+    """``OUT/leaderboard/<test>.csv`` per measured test: rank, id, value, points, best first.
+
+    ``results``: each graded student's ``results.json``; a submission whose result was wrong (or
+    that was not graded) has no measured value and no row.
+    """
+    folder = out / "leaderboard"
+    folder.mkdir(exist_ok=True)
+    for name, tiers in measured.items():
+        entries = []
+        for student, data in results.items():
+            extra = data.get("extra_data") if isinstance(data.get("extra_data"), dict) else {}
+            values = extra.get("measured") if isinstance(extra.get("measured"), dict) else {}
+            value = values.get(name)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                tests = data.get("tests") if isinstance(data.get("tests"), list) else []
+                points = next(
+                    (t.get("score", 0) for t in tests if isinstance(t, dict) and t.get("name") == name), 0
+                )
+                entries.append((student, float(value), _num(points)))
+        rows = [{k: text.csv_cell(v) for k, v in row.items()} for row in leaderboard_rows(entries, tiers)]
+        path = folder / f"{re.sub(r'[^A-Za-z0-9_.=-]+', '_', name).strip('_')}.csv"
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w", newline="", encoding="utf-8") as file:
+            file.write(f"# {tiers.quantity} ({'lower' if tiers.lower_is_better else 'higher'} is better)\n")
+            writer = csv.DictWriter(file, fieldnames=["rank", "id", "value", "points"])
+            writer.writeheader()
+            writer.writerows(rows)
+        os.replace(tmp, path)
 
 
 def gradebook_row(student: str, results: dict, test_names: list[str], instructor: dict | None = None) -> dict:
