@@ -8,7 +8,7 @@ step's gradient: nothing is lost, only delayed. You write the five pieces:
 task   where                   what it does
 =====  ======================  ============================================================
 1      ``sparsity_at``         the warm-up schedule: 75%, 93.75%, 98.4375%, 99.6%, then 99.9%
-2      ``clip_local``          local gradient clipping at ``clip_norm / sqrt(world_size)``
+2      ``clip_local``          local gradient clipping at ``clip_norm * sqrt(world_size)``
 3      ``select_indices``      top-k by a *sampled* threshold (specified exactly below)
 4      ``compress_step``       momentum correction, error feedback, momentum factor masking
 5      ``DGCHook.__call__``    the communication hook: pack, allgather, add up, divide by N
@@ -80,7 +80,8 @@ class DGCConfig:
     warmup_stage_steps: steps per warm-up stage (0: no warm-up, ``sparsity`` from step 0).
     warmup_sparsities: the stages' sparsities, in order, before ``sparsity``.
     momentum: m, the momentum of the velocity u.
-    clip_norm: the local clipping threshold before the N^-1/2 scaling (None: no clipping).
+    clip_norm: the threshold c at which dense training would clip the averaged gradient (None:
+        no clipping); each rank clips its own gradient at c sqrt(N) (``clip_local``).
     sample_ratio: the share of entries sampled to estimate the threshold.
     min_sample: sample at least this many entries (all of them when the bucket is smaller).
     seed: the hook seeds its sampling generator with ``seed * 1000 + comm.rank``.
@@ -176,11 +177,13 @@ def sparsity_at(step: int, config: DGCConfig) -> float:
 
 # --- task 2: local gradient clipping -----------------------------------------------------
 def clip_local(grad: torch.Tensor, clip_norm: float, world_size: int) -> torch.Tensor:
-    """``grad`` scaled to L2 norm ``clip_norm / sqrt(world_size)`` if its norm is larger; else
-    an unchanged copy. Always a new tensor; ``grad`` is not modified.
+    """``grad``, this rank's gradient (its own mean, not yet divided by N), scaled to L2 norm
+    ``clip_norm * sqrt(world_size)`` if its norm is larger; else an unchanged copy. Always a new
+    tensor; ``grad`` is not modified.
 
-    Why N^-1/2: the sum of N independent gradients of norm c has a norm of about c sqrt(N), so
-    clipping each rank's at c / sqrt(N) clips the sum at about c.
+    The paper clips each node's share of the average, grad / N, at clip_norm / sqrt(N): that is
+    grad at clip_norm sqrt(N). The average of N independent gradients of norm c sqrt(N) then has
+    a norm of about c, the threshold dense training applies to the average.
     Compute it as ``grad * (threshold / norm)`` with ``norm = torch.linalg.vector_norm(grad)``.
     """
     # TODO(task 2): the threshold, the norm, and a comparison.

@@ -26,8 +26,8 @@ GIVEN_FUNCTIONS = (
 
 HINTS = {
     "sparsity_at": "stage = step // warmup_stage_steps; past the stages (or no warm-up): config.sparsity.",
-    "clip_local": "threshold = clip_norm / sqrt(world_size); scale by threshold / norm only if the "
-    "norm is larger.",
+    "clip_local": "each rank clips its own gradient at clip_norm * sqrt(world_size) (the paper: grad / N at "
+    "clip_norm / sqrt(N)); scale by threshold / norm only if the norm is larger.",
     "select_indices": "Follow the docstring's recipe line by line: one randint draw of s positions, the "
     "ks-th largest sample, >=, a stable descending sort when more than k.",
     "compress_step": "u = m u + g; v += u; select on v; send v[S]; then zero v[S] and u[S] (keep the rest!).",

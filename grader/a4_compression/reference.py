@@ -36,7 +36,7 @@ def slots(numel: int, sparsity_: float) -> int:
 
 
 def clipped(grad: torch.Tensor, clip_norm: float, world_size: int) -> torch.Tensor:
-    threshold = clip_norm / math.sqrt(world_size)
+    threshold = clip_norm * math.sqrt(world_size)  # the paper's clip_norm / sqrt(N) on grad / N
     norm = torch.linalg.vector_norm(grad)
     return grad * (threshold / norm) if norm > threshold else grad.clone()
 

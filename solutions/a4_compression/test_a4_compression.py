@@ -59,10 +59,12 @@ def test_sparsity_at_follows_the_schedule_of_the_docstring():
 
 # --- task 2 ------------------------------------------------------------------------------------
 def test_clipping_scales_long_gradients_to_the_threshold_and_leaves_short_ones():
-    grad = torch.full((16,), 1.0, dtype=torch.float64)  # norm 4
-    clipped = clip_local(grad, clip_norm=2.0, world_size=4)  # threshold 2 / sqrt(4) = 1
-    assert math.isclose(float(torch.linalg.vector_norm(clipped)), 1.0, rel_tol=1e-12)
-    assert torch.allclose(clipped, grad / 4) and torch.equal(grad, torch.ones(16, dtype=torch.float64))
+    grad = torch.full((16,), 4.0, dtype=torch.float64)  # norm 16
+    clipped = clip_local(grad, clip_norm=2.0, world_size=4)  # threshold 2 * sqrt(4) = 4
+    assert math.isclose(float(torch.linalg.vector_norm(clipped)), 4.0, rel_tol=1e-12)
+    assert torch.allclose(clipped, grad / 4) and torch.equal(
+        grad, torch.full((16,), 4.0, dtype=torch.float64)
+    )
     short = clip_local(grad, clip_norm=100.0, world_size=2)
     assert torch.equal(short, grad) and short is not grad
 

@@ -99,6 +99,35 @@ def emulate_compressed(cfg: dict, kind: str, momentum: float) -> dict:
     return _state(model)
 
 
+ONE_LAYER_WEIGHT = torch.linspace(-1.0, 1.0, 6).reshape(6, 1)
+
+
+def one_layer_data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s 4 rows of a least-squares problem, targets far from the start: large gradients."""
+    gen = torch.Generator().manual_seed(40 + rank)
+    x = torch.randn(4, 6, generator=gen)
+    return x, 20.0 * (1 + rank) * torch.randn(4, 1, generator=gen)
+
+
+def one_layer_first_update(comm, configs: list[dict], lr: float) -> list[torch.Tensor]:
+    """Per config: one step of DDP + DGC (``DGCConfig(**config)``) + SGD on a bias-free
+    Linear(6, 1) under mean squared error, from ``ONE_LAYER_WEIGHT``; the update w0 - w1."""
+    updates = []
+    for config in configs:
+        model = torch.nn.Linear(6, 1, bias=False)
+        with torch.no_grad():
+            model.weight.copy_(ONE_LAYER_WEIGHT.T)
+        hook = compression.DeepGradientCompression(dgc.DGCConfig(**config))
+        ddp = md.DistributedDataParallel(model, comm, bucket_mb=float("inf"), comm_hook=hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        x, y = one_layer_data(comm.rank)
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        optimizer.step()
+        ddp.remove_hooks()
+        updates.append((ONE_LAYER_WEIGHT.T - model.weight.detach()).T.clone())
+    return updates
+
+
 def rank_vector(rank: int, numel: int, seed: int = 7) -> torch.Tensor:
     """A rank's test gradient: heavy-tailed (a few large entries, as gradients are)."""
     gen = torch.Generator().manual_seed(seed * 100 + rank)

@@ -136,18 +136,46 @@ def test_momentum_factor_masking_clears_the_velocity_of_sent_entries(masking):
     assert torch.equal(state.velocity, expected)
 
 
-def test_local_clipping_scales_the_threshold_by_one_over_sqrt_n():
+def test_local_clipping_clips_the_rank_gradient_at_sqrt_n_times_the_threshold():
     grad = cw.rank_vector(3, 500) * 100
     clipped = dgc.clip_local(grad, clip_norm=2.0, world_size=4)
-    torch.testing.assert_close(torch.linalg.vector_norm(clipped), torch.tensor(1.0))  # 2 / sqrt(4)
+    torch.testing.assert_close(torch.linalg.vector_norm(clipped), torch.tensor(4.0))  # 2 * sqrt(4)
     torch.testing.assert_close(clipped / torch.linalg.vector_norm(clipped), grad / grad.norm())
-    small = grad / grad.norm() * 0.5
+    small = grad / grad.norm() * 3.9
     assert torch.equal(dgc.clip_local(small, clip_norm=2.0, world_size=4), small)
     # in compress_step: with sparsity 0 and no momentum, what is sent is the clipped gradient
     config = dgc.DGCConfig(sparsity=0.0, momentum_correction=False, clip_norm=2.0)
     state = dgc.DGCState.zeros_like(grad)
     indices, values = dgc.compress_step(state, grad, config, 4, None)
     assert torch.equal(dense_of(indices, values, 500), clipped)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_first_update_with_local_clipping_is_the_papers(world_size):
+    """Lin et al. 2018, Algorithm 1 and section 3.2: node k's gradient already carries the 1/N of
+    the average, G_k = grad_k / N, and is clipped at clip_norm * N^-1/2; the update is the sum
+    of the clipped G_k. A one-layer least-squares model whose every rank's gradient is longer
+    than the threshold (so every step clips); DGC sends every entry (sparsity 0). The paper's
+    first update is computed here by formula, the gradient in closed form (2/b X^T (X w - y));
+    with clipping off the update is the average gradient, as it always was."""
+    clip_norm, lr = 0.5, 0.1
+    config = dict(sparsity=0.0, momentum=0.9, clip_norm=clip_norm)
+    configs = [config, {**config, "clip_norm": None}]
+    outs = md.launch(cw.one_layer_first_update, world_size, args=(configs, lr), timeout=90)
+    weight = cw.ONE_LAYER_WEIGHT.double()
+    paper, average = torch.zeros_like(weight), torch.zeros_like(weight)
+    for rank in range(world_size):
+        x, y = (t.double() for t in cw.one_layer_data(rank))
+        grad = 2.0 / len(x) * x.T @ (x @ weight - y)  # d/dw of mean((x w - y)^2)
+        share, threshold = grad / world_size, clip_norm / math.sqrt(world_size)
+        assert share.norm() > 10 * threshold  # every rank clips
+        paper += share * (threshold / share.norm())
+        average += share
+    for clipped, plain in outs:
+        torch.testing.assert_close(clipped.double(), lr * paper, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(plain.double(), lr * average, rtol=1e-5, atol=1e-6)
+    # the issue-26 bug, clipping grad_k at clip_norm / sqrt(N) before dividing by N, moved 1/N of this
+    assert not torch.allclose(outs[0][0].double(), lr * paper / world_size, rtol=0.1)
 
 
 def test_pack_unpack_and_sparse_sum_equal_a_dense_reference():

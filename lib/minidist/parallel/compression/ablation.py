@@ -7,7 +7,9 @@ row                        comm hook (what is sent)               optimizer, cli
 =========================  =====================================  ===========================
 dense                      ``allreduce_average`` (float32)        SGD + momentum, clip average
 DGC                        ``DeepGradientCompression``            plain SGD (momentum in the
-                                                                  hook), clipped locally
+                                                                  hook), each rank clipped at
+                                                                  clip_norm sqrt(N) (the
+                                                                  paper's equivalent)
 DGC - momentum correction  DGC accumulating g, not the velocity   SGD keeps the momentum
 DGC - <component>          DGC with that switch off (``dgc``)     as DGC
 bf16                       ``bf16_allreduce``                     SGD + momentum, clip average

@@ -5,7 +5,7 @@ entries (values and indices) and keeps everything else *locally*, adding it to
 the next step's gradient, so nothing is lost -- only delayed. Per rank, per
 bucket, per step (``compress_step``)::
 
-    g  = clip(grad, clip_norm / sqrt(N))   local gradient clipping (N ranks)
+    g  = clip(grad, clip_norm * sqrt(N))   local gradient clipping (N ranks; see ``clip_local``)
     u  = m * u + g                         momentum correction: the velocity lives here,
     v  = v + u                             and the *velocity* is accumulated (not g)
     S  = top-k of |v| by sampled threshold  k = ceil(n * (1 - sparsity)) slots
@@ -65,7 +65,8 @@ class DGCConfig:
         then give the optimizer the momentum).
     momentum_masking: zero u where entries were sent.
     error_feedback: keep what was not sent (False: drop it; v starts from 0 each step).
-    clip_norm: local clipping threshold before the N^-1/2 scaling (None: no clipping).
+    clip_norm: the threshold c at which dense training would clip the averaged gradient
+        (None: no clipping); each rank clips its own gradient at c sqrt(N) (``clip_local``).
         The hook sees one bucket: the norm is the bucket's (one bucket, ``bucket_mb=inf``,
         gives the paper's whole-gradient norm).
     sample_ratio: share of entries sampled to estimate the threshold (1.0: exact top-k).
@@ -133,13 +134,16 @@ def slots_for(numel: int, sparsity: float) -> int:
 
 
 def clip_local(grad: torch.Tensor, clip_norm: float, world_size: int) -> torch.Tensor:
-    """``grad`` scaled down to L2 norm ``clip_norm / sqrt(world_size)`` if longer (a new
-    tensor then; ``grad`` itself, unmodified, when it is short enough).
+    """This rank's gradient ``grad`` (its own mean, not yet divided by N) scaled down to L2 norm
+    ``clip_norm * sqrt(world_size)`` if longer (a new tensor then; ``grad`` itself, unmodified,
+    when it is short enough).
 
-    Why N^-1/2: the sum of N independent local gradients of norm c has norm about
-    c sqrt(N), so clipping each at c / sqrt(N) clips the sum at about c.
+    The paper (Lin et al. 2018, section 3.2 and Algorithm 1) clips each node's share of the
+    average, grad / N, at clip_norm N^-1/2: that is grad at clip_norm sqrt(N). Why N^-1/2: the
+    average of N independent gradients of norm c sqrt(N) has norm about c sqrt(N) sqrt(N) / N = c,
+    the threshold dense training applies to the average.
     """
-    threshold = clip_norm / math.sqrt(world_size)
+    threshold = clip_norm * math.sqrt(world_size)
     norm = torch.linalg.vector_norm(grad)
     if norm > threshold:
         return grad * (threshold / norm)
