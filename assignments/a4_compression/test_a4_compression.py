@@ -2,11 +2,12 @@
 
     python -m pytest -q test_a4_compression.py
 
-Tasks 1-4 are tested in this process against formulas and properties; task 5 runs your hook in
-the library's DDP on 2 ranks (``a4_run.py``; your module is imported in the worker processes).
-The grader runs more tests: your indices and values compared *exactly* with a reference on
-fixed gradient sequences (sampled thresholds with seeded generators), the bytes each rank
-sends through the warm-up, and convergence of a small network at 99% sparsity.
+Tasks 1 and 2 are tested in this process against formulas and properties; tasks 3 and 4 run
+your hooks in the library's DDP on 2 ranks (``a4_run.py``; your module is imported in the worker
+processes). The grader runs more tests: your indices and values compared *exactly* with a
+reference on fixed gradient sequences (sampled thresholds with seeded generators), the bytes
+each rank sends through the warm-up, convergence of a small network at 99% sparsity, and task
+4's bytes to a target loss (``a4_run.measure`` runs it on another seed).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import math
 
 import a4_run
+import dgc
 import pytest
 import torch
 from dgc import (
@@ -49,27 +51,7 @@ def run(config: dict, **kwargs) -> list[dict]:
     pytest.fail(failure, pytrace=False)
 
 
-# --- task 1 ------------------------------------------------------------------------------------
-def test_sparsity_at_follows_the_schedule_of_the_docstring():
-    config = DGCConfig(sparsity=0.999, warmup_stage_steps=2)
-    expected = [0.75, 0.75, 0.9375, 0.9375, 0.984375, 0.984375, 0.996, 0.996, 0.999, 0.999, 0.999]
-    assert [sparsity_at(step, config) for step in range(11)] == expected
-    assert sparsity_at(0, DGCConfig(sparsity=0.99)) == 0.99  # no warm-up
-
-
-# --- task 2 ------------------------------------------------------------------------------------
-def test_clipping_scales_long_gradients_to_the_threshold_and_leaves_short_ones():
-    grad = torch.full((16,), 4.0, dtype=torch.float64)  # norm 16
-    clipped = clip_local(grad, clip_norm=2.0, world_size=4)  # threshold 2 * sqrt(4) = 4
-    assert math.isclose(float(torch.linalg.vector_norm(clipped)), 4.0, rel_tol=1e-12)
-    assert torch.allclose(clipped, grad / 4) and torch.equal(
-        grad, torch.full((16,), 4.0, dtype=torch.float64)
-    )
-    short = clip_local(grad, clip_norm=100.0, world_size=2)
-    assert torch.equal(short, grad) and short is not grad
-
-
-# --- task 3 ------------------------------------------------------------------------------------
+# --- task 1: select_indices -----------------------------------------------------------------------
 def test_select_with_the_whole_sample_is_the_exact_top_k_ties_to_the_smaller_index():
     values = torch.randn(500, generator=generator(1), dtype=torch.float64)
     expected = torch.topk(values.abs(), 25).indices.sort().values
@@ -91,7 +73,25 @@ def test_select_by_a_sampled_threshold_keeps_the_largest_and_at_most_k():
     assert torch.equal(select_indices(values, 200, config, generator(3)), chosen)  # the seed decides
 
 
-# --- task 4 ------------------------------------------------------------------------------------
+# --- task 2: compress_step, with sparsity_at and clip_local ---------------------------------------
+def test_sparsity_at_follows_the_schedule_of_the_docstring():
+    config = DGCConfig(sparsity=0.999, warmup_stage_steps=2)
+    expected = [0.75, 0.75, 0.9375, 0.9375, 0.984375, 0.984375, 0.996, 0.996, 0.999, 0.999, 0.999]
+    assert [sparsity_at(step, config) for step in range(11)] == expected
+    assert sparsity_at(0, DGCConfig(sparsity=0.99)) == 0.99  # no warm-up
+
+
+def test_clipping_scales_long_gradients_to_the_threshold_and_leaves_short_ones():
+    grad = torch.full((16,), 4.0, dtype=torch.float64)  # norm 16
+    clipped = clip_local(grad, clip_norm=2.0, world_size=4)  # threshold 2 * sqrt(4) = 4
+    assert math.isclose(float(torch.linalg.vector_norm(clipped)), 4.0, rel_tol=1e-12)
+    assert torch.allclose(clipped, grad / 4) and torch.equal(
+        grad, torch.full((16,), 4.0, dtype=torch.float64)
+    )
+    short = clip_local(grad, clip_norm=100.0, world_size=2)
+    assert torch.equal(short, grad) and short is not grad
+
+
 def test_compress_step_loses_nothing_error_feedback():
     config = DGCConfig(sparsity=0.99, momentum=0.0, sample_ratio=1.0, min_sample=1)
     state = DGCState.zeros_like(torch.zeros(300, dtype=torch.float64))
@@ -118,7 +118,7 @@ def test_compress_step_accumulates_the_velocity_momentum_correction():
     assert torch.allclose(state.accumulated, torch.tensor([1.0, 0.0], dtype=torch.float64))
 
 
-# --- task 5 ------------------------------------------------------------------------------------
+# --- task 3: the hook -----------------------------------------------------------------------------
 def test_hook_at_sparsity_zero_is_plain_sgd_on_two_ranks():
     """Sparsity 0 sends every entry; masking empties u each step: plain averaged SGD."""
     reports = run({"sparsity": 0.0, "sample_ratio": 1.0, "min_sample": 1}, steps=3)
@@ -137,3 +137,20 @@ def test_hook_sends_8k_bytes_per_bucket_and_step():
             sparsity = 0.5 if step == 0 else 0.9
             expected = sum((2 - 1) * 8 * slots_for(n, sparsity) for n in numels)
             assert len(numels) > 1 and sent == expected, f"rank {rank}, step {step}: {sent} bytes"
+
+
+# --- task 4: measured_hook ------------------------------------------------------------------------
+def test_measured_hook_gives_each_rank_a_fresh_hook_that_trains():
+    """A new hook per call; on 2 ranks, 5 steps of the measured task's model: the loss stays finite
+    and each step sends something, fewer bytes than the dense ring allreduce. (Its score:
+    ``a4_run.measure()``, section 6 of the notebook.)"""
+    first, second = dgc.measured_hook(), dgc.measured_hook()
+    assert callable(first) and first is not second
+    try:
+        reports = md.launch(a4_run.train_measured, 2, args=(5, 0.1, 1), transport="pipe", timeout=60)
+    except md.WorkerError as error:
+        pytest.fail(f"DDP with your measured_hook() failed: {error}", pytrace=False)
+    numel = sum(p.numel() for p in a4_run.measured_model(1).parameters())
+    assert len(reports[0]["losses"]) == 5 and all(math.isfinite(loss) for loss in reports[0]["losses"])
+    for report in reports:
+        assert all(0 < sent < 4 * numel for sent in report["sent"])

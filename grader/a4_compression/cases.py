@@ -5,25 +5,28 @@ ranks, JSON arguments) and a trusted check of what the ranks report (``reference
 writes DGC a second time). pytest runs them with seed 0; ``grading.py`` runs the same cases with
 a seed per student (other vectors, sequences, models and data).
 
-* ``sparsity_at`` and ``clip_local`` against the reference (tasks 1, 2);
-* ``select_indices``: the exact top-k when the sample is every entry, ties included (task 3),
-  and the exact indices of the *sampled* threshold with a seeded generator (task 3);
-* ``compress_step`` on fixed gradient sequences (momentum, masking, clipping, warm-up): every
-  step's indices and values and the final state -- once with no warm-up, no clipping and the
-  sample being every entry (task 4 alone), once with warm-up and clipping (tasks 1, 2 and 4),
-  once sampled (tasks 1-4 together);
+* ``select_indices`` (task 1): the exact top-k when the sample is every entry, ties included,
+  and the exact indices of the *sampled* threshold with a seeded generator;
+* ``compress_step`` with its two parts, ``sparsity_at`` and ``clip_local`` (task 2): those two
+  against the reference, then fixed gradient sequences (momentum, masking, clipping, warm-up):
+  every step's indices and values and the final state -- once with no warm-up, no clipping and
+  the sample being every entry (``compress_step`` alone), once with warm-up and clipping, once
+  sampled (graded under task 1: the sampled threshold decides it);
 * error feedback loses nothing (what was sent plus what waits equals the sum of the gradients,
-  whatever was chosen, and every step sends 1 to k distinct indices) (task 4);
-* the hook in the library's DDP on 2 ranks equals the reference simulated in one process, with
-  a sampled threshold (the hook's generator seeded ``seed * 1000 + rank``) (task 5);
+  whatever was chosen, and every step sends 1 to k distinct indices) (task 2);
+* the hook (task 3) in the library's DDP on 2 ranks equals the reference simulated in one
+  process, with a sampled threshold (the hook's generator seeded ``seed * 1000 + rank``);
 * bytes on the wire: one asynchronous allgather of 8 k bytes per bucket and step, and the
-  transport's own byte count, through the warm-up (task 5);
+  transport's own byte count, through the warm-up (task 3);
 * convergence: an MLP on 2 ranks at 99% sparsity, sending by one asynchronous allgather of
   8 k bytes per bucket and step only, reaches a loss within a factor of dense momentum SGD on
   the same batches; the loss is computed by the grader from the parameters the ranks report;
 * in every test of the hook (the last three kinds): what SGD applied is, every step and bucket,
   the mean of the payloads the ranks allgathered (the grader logs them and unpacks them
-  itself), and the ranks end bit for bit equal (``reference.applied_check``).
+  itself), and the ranks end bit for bit equal (``reference.applied_check``);
+* measured, in tiers (task 4): the student's ``measured_hook()`` on a fixed task (``MEASURED``,
+  the same seed for everyone), dense bytes / the student's bytes to a target loss, everything
+  counted and replayed on the trusted side (``reference.measured_check``).
 
 The folder holding the student's ``dgc.py`` must be on PYTHONPATH; it is imported only in the
 worker processes. Each ``Case`` carries its points; ``grading.py`` declares the assignment.
@@ -34,10 +37,18 @@ from __future__ import annotations
 import random
 
 from grader.assignment import Case
+from grader.tiers import Tiers
 
 from . import reference as ref
 
-TASKS = {"sparsity_at": 1, "clip_local": 2, "select_indices": 3, "compress_step": 4, "DGCHook.__call__": 5}
+TASKS = {
+    "select_indices": 1,
+    "sparsity_at": 2,
+    "clip_local": 2,
+    "compress_step": 2,
+    "DGCHook.__call__": 3,
+    "measured_hook": 4,
+}
 #: convergence: the DGC run's loss must be at most this many times dense momentum SGD's. Measured
 #: on seeds 0-2 (dense: 1.38 -> 0.08-0.10 in 120 steps): DGC 1.5-1.8x, the exact top-k 1.4-1.7x,
 #: without error feedback 10-14x, without momentum correction 7-11x; DGC on seeds 0-9 (the
@@ -164,12 +175,41 @@ def train_spec(seed: int, base: int, **extra) -> dict:
     }
 
 
+#: the measured test's task, the same for every student (a leaderboard compares like with like):
+#: an MLP of 21,768 parameters on 2 ranks, plain SGD at 0.1 (the momentum is the hook's), until
+#: the loss on the whole data set first reaches 0.35 (dense momentum SGD: after 77 steps). Measured
+#: with the reference's simulation: the library's DGC (99.9%, no warm-up) 370x, 99.95% 605x,
+#: 99.98% 722x, 99.99% never (in 300 steps), 99.9% after a warm-up of 4 x 10 steps 11x (4 x 3: 35x)
+MEASURED = {
+    "seed": 7,
+    "features": 32,
+    "hidden": 128,
+    "classes": 8,
+    "rows": 2048,
+    "ranks": 2,
+    "local_batch": 32,
+    "steps": 300,
+    "lr": 0.1,
+    "dense_momentum": 0.9,
+    "bucket_mb": 1000.0,
+    "target": 0.35,
+    "measured": True,
+}
+MEASURED_TIERS = Tiers(
+    quantity="dense bytes / your bytes to reach the target loss",
+    unit="x",
+    levels=((500.0, 1.0), (100.0, 0.5), (20.0, 0.25)),
+    lower_is_better=False,
+    baseline="the library's DGC (DGCConfig(): 99.9%, no warm-up) reaches 370x",
+)
+
+
 # --- the cases ---------------------------------------------------------------------------------
 def cases(seed: int) -> list[Case]:
     out: list[Case] = []
 
-    def add(name, points, function, worker, args, check, world_size=1, transport="pipe"):
-        out.append(Case(name, points, function, worker, world_size, args, check, transport))
+    def add(name, points, function, worker, args, check, world_size=1, transport="pipe", tiers=None):
+        out.append(Case(name, points, function, worker, world_size, args, check, transport, tiers))
 
     schedule = schedule_cases(seed)
     add(
@@ -256,5 +296,19 @@ def cases(seed: int) -> list[Case]:
         ref.convergence_check(what, s, CONVERGENCE_FACTOR),
         world_size=2,
         transport="shm",
+    )
+    what = (
+        f"your measured_hook() on an MLP on 2 ranks, until the loss reaches {MEASURED['target']:g} "
+        f"(at most {MEASURED['steps']} steps)"
+    )
+    add(
+        "test_bytes_to_target_loss[2-pipe]",
+        6,
+        "measured_hook",
+        "train",
+        [MEASURED],
+        ref.measured_check(what, MEASURED),
+        world_size=2,
+        tiers=MEASURED_TIERS,
     )
     return out

@@ -25,14 +25,17 @@ GIVEN_FUNCTIONS = (
 )
 
 HINTS = {
-    "sparsity_at": "stage = step // warmup_stage_steps; past the stages (or no warm-up): config.sparsity.",
-    "clip_local": "each rank clips its own gradient at clip_norm * sqrt(world_size) (the paper: grad / N at "
-    "clip_norm / sqrt(N)); scale by threshold / norm only if the norm is larger.",
-    "select_indices": "Follow the docstring's recipe line by line: one randint draw of s positions, the "
-    "ks-th largest sample, >=, a stable descending sort when more than k.",
-    "compress_step": "u = m u + g; v += u; select on v; send v[S]; then zero v[S] and u[S] (keep the rest!).",
-    "DGCHook.__call__": "k from the step before compress_step; pack; ONE md.allgather(..., async_op=True); "
-    "SparseWork.wait: add the rows in rank order, divide by N.",
+    "sparsity_at": "Which stage is the step in, and what comes after the last stage (or without warm-up)?",
+    "clip_local": "Each rank clips its own, un-averaged gradient at clip_norm * sqrt(world_size) (the paper "
+    "clips grad / N at clip_norm / sqrt(N)); is a gradient that is short enough returned as a copy?",
+    "select_indices": "Check the docstring's contract point by point: ONE randint draw of s positions, the "
+    "ceil(s k / n)-th largest sample, >= the threshold, equal magnitudes to the smaller index.",
+    "compress_step": "Check the contract's order: clip, u = m u + g, v += u, select on v, send v there; "
+    "then only the sent entries of v and u become 0.",
+    "DGCHook.__call__": "Which step's k does the payload need, given that compress_step advances the "
+    "step? ONE md.allgather(..., async_op=True); SparseWork.wait adds the rows in rank order, divides by N.",
+    "measured_hook": "Return a new hook; each step one asynchronous allgather of pack's int32 payload per "
+    "bucket, and wait() the mean of the payloads. Fewer slots per step, or fewer steps?",
 }
 
 ASSIGNMENT = Assignment.of(

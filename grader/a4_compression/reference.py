@@ -536,3 +536,130 @@ def convergence_check(what: str, spec: dict, factor: float):
                 )
 
     return check
+
+
+# --- the measured test: bytes to a target loss ----------------------------------------------
+def dense_ring_bytes(numel: int, ranks: int) -> int:
+    """What one rank sends in a float32 ring allreduce of ``numel`` entries: 2 (N-1)/N x 4 n."""
+    return round(2 * (ranks - 1) / ranks * 4 * numel)
+
+
+def dense_steps_to(spec: dict, target: float) -> int | None:
+    """Momentum SGD on the same global batches, one process (the dense run the measured test
+    compares with): the first step after which the whole data set's loss is at most ``target``."""
+    model = workers.make_model(spec)
+    x, y = workers.make_data(spec)
+    optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"], momentum=spec["dense_momentum"])
+    per_step = spec["ranks"] * spec["local_batch"]
+    for step in range(spec["steps"]):
+        start = (step * per_step) % spec["rows"]
+        optimizer.zero_grad(set_to_none=True)
+        workers.loss_of(model, x[start : start + per_step], y[start : start + per_step]).backward()
+        optimizer.step()
+        with torch.no_grad():
+            if float(workers.loss_of(model, x, y)) <= target:
+                return step
+    return None
+
+
+def first_at_most(losses: list[float], target: float) -> int | None:
+    return next((step for step, loss in enumerate(losses) if loss <= target), None)
+
+
+def measured_check(what: str, spec: dict):
+    """The measured test: the student's ``measured_hook()`` trains ``spec``'s MLP; the value is
+    dense bytes / the student's bytes, each counted up to the step whose loss first reaches
+    ``spec["target"]``. Everything is measured here:
+
+    * the student's run: every step, one asynchronous allgather of an int32 payload in pack's
+      format per bucket (one bucket: ``bucket_mb`` holds the model) and no other collective;
+      the update is replayed here from the payloads alone (their mean, read with ``unpacked``,
+      times the learning rate), and the loss on the whole data set computed after every step;
+      every rank's final parameters must be the replay's (so the ranks applied what was sent);
+    * its bytes: the transport's own count per backward, which must equal (N - 1) x the bytes
+      of the logged payloads, and nothing sent in the loop outside backward;
+    * dense: momentum SGD on the same batches in this process; its bytes a float32 ring
+      allreduce of the model per step (``dense_ring_bytes``).
+
+    Not reaching the target in ``spec["steps"]`` steps fails the test."""
+    ranks, target = spec["ranks"], spec["target"]
+
+    def check(outs: list) -> float:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # small matrices: faster, and the same arithmetic in every grading
+        try:
+            return measure(outs)
+        finally:
+            torch.set_num_threads(threads)
+
+    def measure(outs: list) -> float:
+        model = workers.make_model(spec)
+        x, y = workers.make_data(spec)
+        params = [p for _, p in reversed(list(model.named_parameters()))]  # DDP's one bucket
+        numel = sum(p.numel() for p in params)
+        for rank, out in enumerate(outs[1:], start=1):
+            for name, value in outs[0]["params"].items():
+                if not _same_bits(value, out["params"].get(name)):
+                    raise AssertionError(
+                        f"{what}: rank {rank}'s '{name}' differs from rank 0's at the end; every rank "
+                        "must apply the same update, the mean of what the ranks allgathered"
+                    )
+        losses, wire = [], []
+        for step in range(spec["steps"]):
+            mean = torch.zeros(numel, dtype=torch.float32)
+            for rank, out in enumerate(outs):
+                where = f"{what}: rank {rank}, step {step}"
+                hooks = [h for h in out["hooks"] if h[0] == step]
+                if [h[1:] for h in hooks] != [[0, numel]]:
+                    raise AssertionError(f"{where}: expected one hook call, for the one bucket of {numel}")
+                calls = [c for c in out["calls"] if c["phase"] == step]
+                if [c["function"] for c in calls] != ["allgather"] or not calls[0]["async_op"]:
+                    raise AssertionError(
+                        f"{where}: the hook must send its bucket by ONE asynchronous md.allgather and "
+                        f"nothing else; it called {[c['function'] for c in calls]}"
+                    )
+                if not isinstance(calls[0].get("payload"), list):
+                    raise AssertionError(f"{where}: the payload is not pack's int32 wire format")
+                begin, length = calls[0]["payload"]
+                indices, values = unpacked(where, out["payloads"][begin : begin + length], numel)
+                mean.index_add_(0, indices, values)
+                carried = (ranks - 1) * 4 * length  # a ring allgather: N - 1 blocks of the payload
+                if out["sent"][step] != carried:
+                    raise AssertionError(
+                        f"{where}: the transport sent {out['sent'][step]} bytes in backward, expected "
+                        f"{carried} ((N-1) x the payload's bytes): nothing but the allgather may travel"
+                    )
+                if rank == 0:
+                    wire.append(carried)
+            mean.div_(ranks)
+            with torch.no_grad():
+                offset = 0
+                for p in params:
+                    p.add_(mean[offset : offset + p.numel()].view_as(p), alpha=-spec["lr"])
+                    offset += p.numel()
+                losses.append(float(workers.loss_of(model, x, y)))
+        for rank, out in enumerate(outs):
+            if any(c["phase"] is None for c in out["calls"]) or out["sent_in_training"] != sum(out["sent"]):
+                raise AssertionError(
+                    f"{what}: rank {rank} communicated outside backward; only the hook's allgathers may"
+                )
+        for name, p in model.named_parameters():
+            assert_close(
+                f"{what}: rank 0, '{name}' at the end, against SGD replayed from the mean of the payloads",
+                outs[0]["params"][name],
+                p.detach(),
+                RTOL32,
+                ATOL32,
+            )
+        reached = first_at_most(losses, target)
+        if reached is None:
+            raise AssertionError(
+                f"{what}: the loss never reached {target:g} in {spec['steps']} steps (lowest "
+                f"{min(losses):.4g}); send more, or send better"
+            )
+        dense = dense_steps_to(spec, target)
+        if dense is None:  # the grader's own setting is wrong
+            raise RuntimeError(f"{what}: dense momentum SGD does not reach {target:g}")
+        return (dense + 1) * dense_ring_bytes(numel, ranks) / sum(wire[: reached + 1])
+
+    return check

@@ -269,13 +269,17 @@ def sequence(comm, spec: dict) -> dict:
 def train(comm, spec: dict) -> dict:
     """The library's DDP with the student's hook trains ``make_model`` with SGD (no momentum)
     for ``steps`` steps; report the parameters, the collectives (with the allgathers'
-    payloads), the bytes, and what SGD applied: every hook call's bucket once backward is over,
-    in call order, in one flat tensor (``applied``), and each step's ``where_gradients_lie``.
+    payloads), the bytes (each backward's, and the whole loop's), and what SGD applied: every
+    hook call's bucket once backward is over, in call order, in one flat tensor (``applied``),
+    and each step's ``where_gradients_lie`` (not for ``measured``: there the hook is the
+    student's ``measured_hook()`` and the trusted side replays the update from the payloads).
     (The loss reported is for information only: the grader recomputes it from the parameters.)"""
     dgc = student()
     model = make_model(spec)
     x, y = make_data(spec)
-    hook = dgc.DGCHook(config_of(dgc, spec["config"]))
+    # the measured test trains with the hook the student chose (any configuration or design)
+    hook = dgc.measured_hook() if spec.get("measured") else dgc.DGCHook(config_of(dgc, spec["config"]))
+    record = not spec.get("measured")  # the measured run is long: its update is replayed from the payloads
     hook_calls: list[list[int]] = []
     buffers: list[torch.Tensor] = []  # this step's buckets, in hook call order
     phase = {"step": None}
@@ -289,6 +293,7 @@ def train(comm, spec: dict) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=spec["lr"])
     _LOG.calls.clear()
     sent, applied, places = [], [], []
+    start = comm.stats.copy()
     for step in range(spec["steps"]):
         rows = batch_rows(spec, step, comm.rank)
         optimizer.zero_grad(set_to_none=True)
@@ -301,9 +306,11 @@ def train(comm, spec: dict) -> dict:
         phase["step"] = _LOG.phase = None
         # what SGD subtracts (the student's code is done with this step, but for a thread of
         # its own: the trusted side replays SGD from these and compares the final parameters)
-        applied.extend(_CLONE(_DETACH(buffer)) for buffer in buffers)
-        places.append(where_gradients_lie(model, buffers))
+        if record:
+            applied.extend(_CLONE(_DETACH(buffer)) for buffer in buffers)
+            places.append(where_gradients_lie(model, buffers))
         optimizer.step()
+    sent_in_training = int((comm.stats - start).bytes_sent)
     with torch.no_grad():
         final = float(loss_of(model, x, y))
     calls, payloads = _payload_log(_LOG.calls)
@@ -316,4 +323,5 @@ def train(comm, spec: dict) -> dict:
         "applied": _CAT(applied) if applied else torch.zeros(0),
         "places": places,
         "sent": sent,
+        "sent_in_training": sent_in_training,
     }

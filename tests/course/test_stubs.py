@@ -166,12 +166,13 @@ A4 = "a4_compression"
 A4_SOLUTION, A4_STUB = ROOT / "solutions" / A4, ROOT / "assignments" / A4
 #: (task, what the stub's NotImplementedError names)
 A4_TASKS = [
-    (1, "sparsity_at"),
+    (1, "select_indices"),
+    (2, "sparsity_at"),
     (2, "clip_local"),
-    (3, "select_indices"),
-    (4, "compress_step"),
-    (5, "SparseWork.wait"),
-    (5, "DGCHook.__call__"),
+    (2, "compress_step"),
+    (3, "SparseWork.wait"),
+    (3, "DGCHook.__call__"),
+    (4, "measured_hook"),
 ]
 
 
@@ -199,6 +200,7 @@ calls = {
     ),
     "SparseWork.wait": lambda: dgc.SparseWork(None, 8, 1).wait(),
     "DGCHook.__call__": lambda: dgc.DGCHook(config)(None, grad, 0),
+    "measured_hook": lambda: dgc.measured_hook(),
 }
 """
 

@@ -32,6 +32,15 @@
   step, something nonzero), the hook's values and convergence; keeps the schedule, clipping,
   the selection and the bytes (his hook still allgathers k padded slots).
 
+* ``olga``: a copy of the library's DGC: the functions are the library's algorithm (as the
+  solution's are: ``tests/grader/test_grade_a4.py`` checks the grader's DGC against the
+  library's), and ``measured_hook`` returns the library's hook with its defaults, ``DGCConfig()``
+  (99.9%, no warm-up): about 370x fewer bytes than dense to the target loss, the second tier of
+  the measured test (3 of its 6 points; ``PARTIAL``). The solution's 99.95% reaches about 605x.
+
+bob, dave and ivan never reach the measured test's target loss (0 of its points); carol's exact
+top-k does, at about 610x (full points).
+
 Cheats that train without averaging what was sent (issue 25): each allgathers k slots of the
 right size, so they passed every count and, before the grader tied the update to the payloads,
 scored 32/36 (only the simulation test lost). The grader now logs a copy of every allgather's
@@ -47,8 +56,9 @@ those payloads, unpacked by its own code, and that the ranks end bit for bit equ
 * ``nick``: the right payload allgathered, but a dense average exchanged through ``/dev/shm``
   applied (momentum SGD): the ranks agree, the update is not what was sent.
 
-``LOST`` lists the hidden tests each one fails; ``EXPECTED`` holds the status and score each
-must get on all the hidden tests (``expected_score`` for a subset). The submissions are generated
+``LOST`` lists the hidden tests each one fails, ``PARTIAL`` the fraction of a measured test's
+points one earns; ``EXPECTED`` holds the status and score each must get on all the hidden tests
+(``expected_score`` for a subset). The submissions are generated
 from ``solutions/`` (so they follow the assignment when it changes); nothing here is committed
 but this script.
 """
@@ -70,7 +80,8 @@ FILE = "dgc.py"
 _ALL = tuple(t.name for t in ASSIGNMENT.graded_tests(0))
 _HOOK = tuple(name for name in _ALL if name.startswith(("test_hook", "test_bytes", "test_converges")))
 _SEQUENCES = tuple(name for name in _ALL if name.startswith("test_compress_sequence["))
-_VALUES = (*_SEQUENCES, "test_hook_matches_simulation[2-pipe]", "test_converges[2-shm]")
+_MEASURED = "test_bytes_to_target_loss[2-pipe]"
+_VALUES = (*_SEQUENCES, "test_hook_matches_simulation[2-pipe]", "test_converges[2-shm]", _MEASURED)
 #: gina: the loss is 0 whenever autograd is off (the final evaluation); training is untouched
 HIDE_THE_LOSS = """
 
@@ -222,14 +233,18 @@ LOST = {
     "liam": ("ok", _HOOK),
     "mona": ("ok", _HOOK),
     "nick": ("ok", _HOOK),
+    "olga": ("ok", ()),
 }
+#: student -> {measured test: the fraction of its points earned} (the others: all or nothing)
+PARTIAL = {"olga": {_MEASURED: 0.5}}
 
 
 def expected_score(student: str, tests: list[str] | None = None) -> float:
     """The points ``student`` must get on ``tests`` (default: every hidden test)."""
     points = {t.name: t.points for t in ASSIGNMENT.graded_tests(0)}
     tests = list(points) if tests is None else tests
-    return sum(points[name] for name in tests if name not in LOST[student][1])
+    partial = PARTIAL.get(student, {})
+    return sum(points[name] * partial.get(name, 1.0) for name in tests if name not in LOST[student][1])
 
 
 #: student -> (status, score on every hidden test)
@@ -251,7 +266,7 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         "    v.index_fill_(0, keep, 0.0)  # error feedback: only what was sent leaves v\n",
         "    v.zero_()  # start afresh every step\n",
     )
-    select_start = "    ### BEGIN SOLUTION TODO(task 3): write select_indices\n"
+    select_start = "    ### BEGIN SOLUTION TODO(task 1): write select_indices\n"
     begin = solution.index(select_start) + len(select_start)
     end = solution.index("    ### END SOLUTION\n", begin) + len("    ### END SOLUTION\n")
     carol = solution[:begin] + EXACT_TOP_K + solution[end:]
@@ -279,11 +294,11 @@ def build_dict() -> dict[str, dict[str, bytes]]:
     )
     md_import = "import minidist as md  # noqa: F401  (your hook calls md.allgather)\n"
     gina = edit(dave, md_import, md_import + HIDE_THE_LOSS)
-    hook_start = "        ### BEGIN SOLUTION TODO(task 5): write DGCHook.__call__\n"
+    hook_start = "        ### BEGIN SOLUTION TODO(task 3): write DGCHook.__call__\n"
     begin = solution.index(hook_start) + len(hook_start)
     end = solution.index("        ### END SOLUTION\n", begin)
     hank = solution[:begin] + DENSE_HOOK + solution[end:]
-    step_start = "    ### BEGIN SOLUTION TODO(task 4): write compress_step\n"
+    step_start = "    ### BEGIN SOLUTION TODO(task 2): write compress_step\n"
     begin = solution.index(step_start) + len(step_start)
     end = solution.index("    ### END SOLUTION\n", begin)
     ivan = solution[:begin] + NEVER_SENDS + solution[end:]
@@ -312,7 +327,12 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         for folder, write, read, payload in side_channel.values()
     )
     mona = hook(OWN_PAYLOAD_HOOK)
-    texts = (solution, bob, carol, dave, erin, frank, gina, hank, ivan, kate, liam, mona, nick)
+    olga = edit(
+        solution,
+        "    return DGCHook(DGCConfig(sparsity=0.9995))\n",
+        "    return DGCHook(DGCConfig())  # the library's hook as it comes\n",
+    )
+    texts = (solution, bob, carol, dave, erin, frank, gina, hank, ivan, kate, liam, mona, nick, olga)
     return {name: {FILE: text.encode()} for name, text in zip(LOST, texts)}
 
 

@@ -1,13 +1,16 @@
 """``python -m grader grade a4_compression``: the example students, graded once.
 
 One batch on a subset of the hidden tests that tells the examples of
-``grader/examples/a4_compression/make.py`` apart (``--jobs 2``, a fixed seed key). The grader's
+``grader/examples/a4_compression/make.py`` apart (``--jobs 2``, a fixed seed key), and olga, the
+library's DGC, on the measured test alone (the copy of the library does not reach its top tier). The grader's
 second DGC and the checks that cheats met: ``tests/grader/test_grade_a4.py``.
 The solution and the stub on every hidden test: ``test_solutions_and_stubs.py``.
 """
 
 from __future__ import annotations
 
+import glob
+import json
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,8 @@ import pytest
 from grade_helpers import (
     check_expected_scores,
     grade_examples,
+    gradebook,
+    run_grader,
 )
 from grader import grade, similarity
 from grader.examples.a4_compression import make
@@ -66,3 +71,26 @@ def test_the_examples_get_their_scores(tmp_path):
         assert "not the mean of the payloads" in (out / student / "feedback.md").read_text(), student
     assert "minidist.parallel.compression" in book["frank"]["reason"]
     assert float(book["alice"]["similarity"]) < similarity.FLAG_AT
+
+
+MEASURED = "test_bytes_to_target_loss[2-pipe]"
+
+
+@pytest.mark.timeout(300)
+def test_a_copy_of_the_library_does_not_reach_the_top_tier(tmp_path):
+    """olga hands in the library's DGC with its default hook: about 370x fewer bytes than dense to
+    the target loss, the second tier (``make.PARTIAL``), on the leaderboard with that value;
+    the feedback names what full points need. (The solution's top tier, and the same value in a
+    second grading: ``test_solutions_and_stubs.py``.)"""
+    submissions, out = tmp_path / "subs", tmp_path / "out"
+    make.write(submissions, {"olga": make.build_dict()["olga"]})
+    run_grader(
+        "a4_compression", submissions, out, "--seed-key", "k", "--tests", glob.escape(MEASURED), timeout=240
+    )
+    olga = gradebook(out)["olga"]
+    assert (olga["status"], float(olga["score"])) == ("ok", make.expected_score("olga", [MEASURED])), olga
+    value = json.loads((out / "olga" / "results.json").read_text())["extra_data"]["measured"][MEASURED]
+    assert 300 < value < 450, value  # 369.8x where it was written
+    board = next((out / "leaderboard").iterdir()).read_text()
+    assert "\n1,olga," in board, board
+    assert "500x" in (out / "olga" / "feedback.md").read_text()
