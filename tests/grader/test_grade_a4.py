@@ -9,7 +9,9 @@ not the mean of what was allgathered) and the released stub get exactly their ex
 a subset of the hidden tests that tells them apart (one batch, ``--jobs 2``). The checks that
 cheats met are tried here on forged reports: the convergence check's loss and counts, and
 ``applied_check`` (the update is the mean of the allgathered payloads, the ranks agree bit for
-bit, the payloads are in the wire format, SGD replayed from the update ends at the parameters).
+bit, the payloads are in the wire format, SGD replayed from the update ends at the parameters),
+and the measured test's check (bytes to a target loss) on honest reports built in this process
+and on forged ones.
 
 Fast: the grading batch of the examples is ``tests/grader/batches/test_a4.py``.
 """
@@ -319,3 +321,105 @@ def test_the_run_time_guard_refuses_the_library_compressor_and_leaves_ddp_alone(
         [sys.executable, str(probe)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+# --- the measured test: bytes to a target loss, measured on the trusted side ------------------
+SMALL = {
+    **table.MEASURED,
+    "features": 8,
+    "hidden": 16,
+    "classes": 3,
+    "rows": 256,
+    "local_batch": 16,
+    "steps": 40,
+    "lr": 0.3,
+}
+
+
+def _measured_reports(spec: dict, sparsity: float) -> tuple[list[dict], list[float], int]:
+    """What two honest ranks of DGC at ``sparsity`` report to ``measured_check``, built in one
+    process with the reference's compressor (no hook, no DDP); with the loss after every step and
+    the bucket's size."""
+    model = workers.make_model(spec)
+    x, y = workers.make_data(spec)
+    params = [p for _, p in reversed(list(model.named_parameters()))]
+    numel = sum(p.numel() for p in params)
+    config = {"sparsity": sparsity, "momentum": 0.9, "sample_ratio": 1.0, "min_sample": 1}
+    gen = torch.Generator()
+    comps = [reference.Compressor(numel, config, 2, gen, torch.float32) for _ in range(2)]
+    outs = [{"calls": [], "payloads": [], "hooks": [], "sent": []} for _ in range(2)]
+    losses = []
+    for step in range(spec["steps"]):
+        mean = torch.zeros(numel)
+        k = reference.slots(numel, sparsity)
+        for rank, out in enumerate(outs):
+            rows = workers.batch_rows(spec, step, rank)
+            grads = torch.autograd.grad(workers.loss_of(model, x[rows], y[rows]), params)
+            chosen, values = comps[rank].step(torch.cat([g.reshape(-1) for g in grads]))
+            payload = torch.zeros(2 * k, dtype=torch.int32)
+            payload[: len(chosen)] = values.view(torch.int32)
+            payload[k : k + len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
+            at = sum(p.numel() for p in out["payloads"])
+            out["payloads"].append(payload)
+            out["calls"].append(
+                {
+                    "phase": step,
+                    "function": "allgather",
+                    "bytes": 8 * k,
+                    "async_op": True,
+                    "payload": [at, 2 * k],
+                }
+            )
+            out["hooks"].append([step, 0, numel])
+            out["sent"].append(8 * k)  # 2 ranks: the ring allgather sends the one other block
+            mean.index_add_(0, torch.tensor(chosen, dtype=torch.long), values)
+        with torch.no_grad():
+            offset = 0
+            for p in params:
+                p.sub_(spec["lr"] * (mean / 2)[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+            losses.append(float(workers.loss_of(model, x, y)))
+    for out in outs:
+        out["payloads"] = torch.cat(out["payloads"])
+        out["sent_in_training"] = sum(out["sent"])
+        out["params"] = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return outs, losses, numel
+
+
+def test_the_measured_check_counts_the_bytes_to_the_target_and_refuses_what_was_not_sent():
+    outs, losses, numel = _measured_reports(SMALL, 0.9)
+    target = sorted(losses)[len(losses) // 2]  # reached about half way
+    spec = {**SMALL, "target": target}
+    mine = next(step for step, loss in enumerate(losses) if loss <= target)
+    dense = reference.dense_steps_to(spec, target)
+    want = (dense + 1) * 2 * (2 - 1) / 2 * 4 * numel / sum(outs[0]["sent"][: mine + 1])
+    assert reference.measured_check("m", spec)(outs) == pytest.approx(want, rel=1e-9)
+
+    def fails(change, match):
+        forged = [
+            {**out, "calls": [dict(c) for c in out["calls"]], "sent": list(out["sent"])} for out in outs
+        ]
+        forged = [{**out, "params": dict(out["params"])} for out in forged]
+        change(forged)
+        with pytest.raises(AssertionError, match=match):
+            reference.measured_check("m", spec)(forged)
+
+    def more_bytes(forged):  # something travelled beside the allgather
+        forged[1]["sent"][3] += 8
+
+    def outside_backward(forged):
+        forged[0]["sent_in_training"] += 8
+
+    def another_update(forged):  # the ranks applied something else than the payloads' mean
+        for out in forged:
+            out["params"]["out.bias"] = out["params"]["out.bias"] + 1e-3
+
+    def an_allreduce(forged):
+        forged[0]["calls"][5]["function"] = "allreduce"
+
+    fails(more_bytes, "the transport sent")
+    fails(outside_backward, "outside backward")
+    fails(another_update, "replayed from the mean of the payloads")
+    fails(an_allreduce, "ONE asynchronous md.allgather")
+    with pytest.raises(AssertionError, match="never reached"):
+        reference.measured_check("m", {**spec, "target": min(losses) / 2})(outs)
