@@ -240,8 +240,8 @@ def cases(seed: int) -> list[Case]:
         [sampled],
         ref.select_check("select_indices, sampled threshold", sampled),
     )
-    # "plain": no warm-up, no clipping, the whole sample: compress_step alone (task 4), so that a
-    # bug in sparsity_at or clip_local (tasks 1, 2) does not cost task 4's points as well
+    # "plain": no warm-up, no clipping, the whole sample: compress_step alone, so that a bug in
+    # sparsity_at or clip_local (the tests above) does not cost this test's points as well
     for base, kind in ((45, "plain"), (40, "whole"), (50, "sampled")):
         if kind == "plain":
             s = sequence_spec(seed, base, sampled=False, warmup_stage_steps=0, clip_norm=None)

@@ -16,7 +16,8 @@
   velocity -- loses both sequences, the hook's values and convergence (plain SGD underneath);
   keeps the error-feedback test (it runs with momentum 0, where the two are the same);
 * ``erin``: crashes: the hook looks its bucket's state up before making it (a KeyError in the
-  first hook call): every test of the hook fails, tasks 1-4 keep their points;
+  first hook call): every test that runs the hook fails (convergence and task 4 too), the others
+  keep their points;
 * ``frank``: hands the selection to the library's ``select_indices``
   (``minidist.parallel.compression``): refused at intake, status ``forbidden``;
 * ``gina``: dave's run (no momentum correction) that hides its loss: she replaces
@@ -26,7 +27,8 @@
   everything: ``GINA_STATUS``);
 * ``hank``: no compression at all: the hook keeps a momentum velocity and averages it densely
   with an allreduce (momentum SGD, which converges): loses the hook's values, the bytes and
-  convergence (the bytes rule applies there too); keeps tasks 1-4;
+  convergence (the bytes rule applies there too) and the measured test; keeps the tests without a
+  hook;
 * ``ivan``: a ``compress_step`` that never sends: it accumulates and returns nothing (with
   momentum 0 that conserves mass): loses the sequences, the error-feedback test (1 to k indices a
   step, something nonzero), the hook's values and convergence; keeps the schedule, clipping,
@@ -46,7 +48,8 @@ right size, so they passed every count and, before the grader tied the update to
 scored 32/36 (only the simulation test lost). The grader now logs a copy of every allgather's
 payload (the copy is what the transport carries) and checks that every rank applied the mean of
 those payloads, unpacked by its own code, and that the ranks end bit for bit equal
-(``reference.applied_check``): each keeps only tasks 1-4 (22), whatever route its data took:
+(``reference.applied_check``; in the measured test, the replay from the payloads): each keeps only
+the tests without a hook (22 of 42), whatever route its data took:
 
 * ``kate``: no averaging at all: k empty slots allgathered, each rank steps on its own momentum
   velocity (its own data only); the ranks drift apart;
