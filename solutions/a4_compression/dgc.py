@@ -156,38 +156,6 @@ def unpack(payload: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return payload[k:].long(), payload[:k].view(torch.float32)
 
 
-# --- task 2, its two small parts: the warm-up and local clipping ----------------------------
-def sparsity_at(step: int, config: DGCConfig) -> float:
-    """The sparsity of (0-based) ``step``: stage ``step // warmup_stage_steps`` uses that entry
-    of ``warmup_sparsities`` while there is one; after the stages, and always when
-    ``warmup_stage_steps == 0``, ``config.sparsity``. (The paper: sparsity rises exponentially
-    over the first epochs, each stage sending a quarter of the previous one; lecture 6, step 6.)
-    """
-    ### BEGIN SOLUTION TODO(task 2): write sparsity_at
-    stages = config.warmup_sparsities if config.warmup_stage_steps > 0 else ()
-    stage = step // config.warmup_stage_steps if stages else 0
-    return stages[stage] if stage < len(stages) else config.sparsity
-    ### END SOLUTION
-
-
-def clip_local(grad: torch.Tensor, clip_norm: float, world_size: int) -> torch.Tensor:
-    """``grad``, this rank's gradient (its own mean, not yet divided by N), scaled to L2 norm
-    ``clip_norm * sqrt(world_size)`` if its norm is larger; else an unchanged copy. Always a new
-    tensor; ``grad`` is not modified. One pass over the bucket.
-
-    ``clip_norm`` is the threshold dense training would apply to the *average*. The paper
-    (section 3.2) clips each node's share of the average, grad / N, at clip_norm / sqrt(N):
-    that is grad at clip_norm sqrt(N). Why sqrt(N), not N: what is the norm of the average of N
-    independent gradients of norm c sqrt(N)?
-    """
-    ### BEGIN SOLUTION TODO(task 2): write clip_local
-    norm = torch.linalg.vector_norm(grad)
-    limit = clip_norm * math.sqrt(world_size)
-    too_long = bool(norm > limit)
-    return grad * (limit / norm) if too_long else grad.clone()
-    ### END SOLUTION
-
-
 # --- task 1: top-k by a sampled threshold ------------------------------------------------
 def select_indices(
     values: torch.Tensor, k: int, config: DGCConfig, generator: torch.Generator
@@ -228,6 +196,38 @@ def select_indices(
         order = torch.sort(magnitude[chosen], descending=True, stable=True).indices
         chosen = chosen[order[:k]].sort().values
     return chosen
+    ### END SOLUTION
+
+
+# --- task 2, its two small parts: the warm-up and local clipping ----------------------------
+def sparsity_at(step: int, config: DGCConfig) -> float:
+    """The sparsity of (0-based) ``step``: stage ``step // warmup_stage_steps`` uses that entry
+    of ``warmup_sparsities`` while there is one; after the stages, and always when
+    ``warmup_stage_steps == 0``, ``config.sparsity``. (The paper: sparsity rises exponentially
+    over the first epochs, each stage sending a quarter of the previous one; lecture 6, step 6.)
+    """
+    ### BEGIN SOLUTION TODO(task 2): write sparsity_at
+    stages = config.warmup_sparsities if config.warmup_stage_steps > 0 else ()
+    stage = step // config.warmup_stage_steps if stages else 0
+    return stages[stage] if stage < len(stages) else config.sparsity
+    ### END SOLUTION
+
+
+def clip_local(grad: torch.Tensor, clip_norm: float, world_size: int) -> torch.Tensor:
+    """``grad``, this rank's gradient (its own mean, not yet divided by N), scaled to L2 norm
+    ``clip_norm * sqrt(world_size)`` if its norm is larger; else an unchanged copy. Always a new
+    tensor; ``grad`` is not modified. One pass over the bucket.
+
+    ``clip_norm`` is the threshold dense training would apply to the *average*. The paper
+    (section 3.2) clips each node's share of the average, grad / N, at clip_norm / sqrt(N):
+    that is grad at clip_norm sqrt(N). Why sqrt(N), not N: what is the norm of the average of N
+    independent gradients of norm c sqrt(N)?
+    """
+    ### BEGIN SOLUTION TODO(task 2): write clip_local
+    norm = torch.linalg.vector_norm(grad)
+    limit = clip_norm * math.sqrt(world_size)
+    too_long = bool(norm > limit)
+    return grad * (limit / norm) if too_long else grad.clone()
     ### END SOLUTION
 
 
