@@ -12,8 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from grader.assignment import Case
+from grader.tiers import Tiers
 
 from . import reference as ref
+from . import timing
 from .reference import ALL_WORLD_SIZES, TASKS
 
 __all__ = ["TASKS", "cases"]
@@ -43,6 +45,39 @@ def _values(
             budget(world_size, inputs, outs)
 
     return Case(name, points, function, "run_cases", world_size, [function, inputs], check, transport)
+
+
+#: the measured test of task 6 runs on these world sizes (a power of two and one that is not)
+MEASURED_WORLD_SIZES = (4, 5)
+
+
+def measured_tiers(p: int) -> Tiers:
+    """Task 6's tiers on ``p`` ranks: the worst ratio over the sizes, lower is better."""
+    return Tiers(
+        quantity=f"allreduce time / the best textbook algorithm's, worst size, {p} ranks",
+        unit="x",
+        levels=((1.1, 1.0), (1.4, 0.5), (2.5, 0.25)),
+        lower_is_better=True,
+        baseline="the library's md.allreduce(algorithm='auto') reaches " + ("1.98x" if p == 4 else "1.59x"),
+    )
+
+
+def _measured(p: int, seed: int) -> Case:
+    """fast_allreduce over ``timing.SIZES``: right values and real messages (as every value test),
+    then the emulated time of the messages sent, against the best textbook allreduce at each size."""
+    inputs = _seeded([{"shape": (size // 4,), "seed": 20 + i} for i, size in enumerate(timing.SIZES)], seed)
+
+    def check(outs: list) -> float:
+        replays = ref.check_values("fast_allreduce", p, inputs, outs)
+        return max(
+            timing.emulated_seconds(ranks) / timing.best_seconds(p, size)[1]
+            for ranks, size in zip(replays, timing.SIZES, strict=True)
+        )
+
+    name = f"test_fast_allreduce_at_every_size[{p}]"
+    return Case(
+        name, 4, "fast_allreduce", "run_cases", p, ["fast_allreduce", inputs], check, "shm", measured_tiers(p)
+    )
 
 
 def _rejects(name: str, world_size: int, shape: tuple[int, ...]) -> Case:
@@ -134,8 +169,16 @@ def cases(seed: int) -> list[Case]:
         inputs, budget = ref.budget_cases("butterfly_allreduce", p), ref.check_butterfly_allreduce_budget
         name = f"test_butterfly_allreduce_budget[{p}]"
         add(_values(name, 2, "butterfly_allreduce", p, inputs, seed, budget=budget))
+    # task 6: fast_allreduce, correct on every input, then measured in tiers
+    for p in (1, 3, 7):
+        name = f"test_fast_allreduce[{p}]"
+        add(_values(name, 1, "fast_allreduce", p, ref.value_cases("fast_allreduce", p), seed))
+    for p in MEASURED_WORLD_SIZES:
+        add(_measured(p, seed))
     # every function on the other transports
     for function in TASKS:
+        if function == "fast_allreduce":  # its algorithms are tasks 4 and 5's, tested there
+            continue
         for transport in ("pipe", "torch"):
             name = f"test_other_transports[{function}-{transport}]"
             add(_values(name, 1, function, 3, _transport_inputs(function), seed, transport))

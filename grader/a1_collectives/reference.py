@@ -35,6 +35,7 @@ TASKS = {
     "ring_reduce_scatter": 3,
     "ring_allreduce": 4,
     "butterfly_allreduce": 5,
+    "fast_allreduce": 6,
 }
 
 
@@ -104,11 +105,12 @@ def expected_of(function: str, case: dict, inputs: list[torch.Tensor], rank: int
 
 def check_values(
     function: str, world_size: int, cases: list[dict], outs: list, transport: str = "shm"
-) -> None:
+) -> list:
     """Every rank's result of every case against a single-process reference; inputs must stay untouched.
 
     ``outs[rank][case index]`` is what ``workers.run_cases`` reported. The grader calls this
-    too, in its own (trusted) process, on reports read back from the sandbox.
+    too, in its own (trusted) process, on reports read back from the sandbox. Returns, per case,
+    every rank's messages as ``transcript.replay`` read them (what ``timing`` times).
     """
     if not isinstance(outs, list) or len(outs) != world_size:
         pytest.fail(f"{function}: expected reports from {world_size} ranks", pytrace=False)
@@ -117,6 +119,7 @@ def check_values(
             pytest.fail(f"{function}: expected {len(cases)} reports per rank", pytrace=False)
         if not all(isinstance(report, dict) and "result" in report for report in rank_reports):
             pytest.fail(f"{function}: a report without a result", pytrace=False)
+    replays = []
     for index, case in enumerate(cases):
         inputs = inputs_of(case, world_size)
         dtype = workers.DTYPES[case.get("dtype", "float32")]
@@ -127,7 +130,8 @@ def check_values(
             check_close(where, report["result"], expected, tolerance, dtype)
             if "input_after" in report and not _same(report["input_after"], inputs[rank]):
                 pytest.fail(f"{where}: the input was modified; {function} must leave it alone", pytrace=False)
-        replay(function, world_size, case, index, outs, inputs, transport)
+        replays.append(replay(function, world_size, case, index, outs, inputs, transport))
+    return replays
 
 
 def replay(function: str, p: int, case: dict, index: int, outs: list, inputs: list, transport: str = "shm"):

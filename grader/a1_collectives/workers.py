@@ -33,7 +33,7 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "int64": torch.int64,
 }
-IN_PLACE = ("tree_broadcast", "ring_allreduce", "butterfly_allreduce")
+IN_PLACE = ("tree_broadcast", "ring_allreduce", "butterfly_allreduce", "fast_allreduce")
 
 
 def make_input(case: dict, rank: int) -> torch.Tensor:

@@ -8,7 +8,10 @@
   (wrong answers everywhere), ``dave`` (a ring allreduce in which every rank first waits for
   its left neighbour: a deadlock), ``erin`` (imports a module that does not exist), and
   ``frank.zip`` (correct, inside an extra folder, with a conftest.py and pytest.ini that must
-  change nothing);
+  change nothing), ``library_auto`` (correct; its ``fast_allreduce`` is a copy of the library's
+  ``md.allreduce(algorithm="auto")``: ring or butterfly by the cost model, never recursive
+  doubling, so 1.98x and 1.59x the best textbook time on the measured tests, their third tier:
+  2 of their 8 points, 92 of 98 in all);
 * with ``--bad``, the hostile and broken cases the grader's tests use (``BAD``: each with
   the status and the score it must get on ``tests/grader/batches/test_a1.py``'s subset of tests), and
   the ones that cheat (``CHEATING``): a call of ``md.allreduce`` (refused at intake), the same
@@ -19,6 +22,8 @@
   that rebuild every rank's input from the job's ``spec.json`` instead of communicating:
   ``no_comm`` (no messages), ``dummy_sends`` (zeros of the ring's sizes) and ``acausal_sums``
   (real sums, sent before their data could have arrived) -- the message transcripts fail them.
+
+``MEASURED`` holds what alice and library_auto score on the measured tests.
 
 The submissions are generated from ``solutions/`` and ``assignments/`` (so they follow the
 assignment when it changes) plus the short snippets below; zips are built here, none is
@@ -124,6 +129,32 @@ def ring_allreduce(comm, tensor):
 '''
 
 
+LIBRARY_AUTO = """
+def fast_allreduce(comm, tensor):
+    \"\"\"md.allreduce(algorithm="auto") off shared memory, copied: the cheapest of star, tree, ring
+    and butterfly by lecture 2's cost model with the library's constants for the pipe transport
+    (cost_model.DEFAULTS); butterfly <= tree <= star always, so ring or butterfly runs.\"\"\"
+    p, n = comm.world_size, tensor.numel() * tensor.element_size()
+    if p == 1:
+        return
+    alpha, beta, gamma = 45e-6, 1 / 4e9, 5e-11
+    q = 1 << (p.bit_length() - 1)
+    ring = 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta + (p - 1) / p * n * gamma
+    butterfly = 2 * (q.bit_length() - 1) * alpha + 2 * (q - 1) / q * n * beta + (q - 1) / q * n * gamma
+    if q != p:
+        butterfly += 2 * (alpha + n * beta) + n * gamma
+    if ring < butterfly:
+        ring_allreduce(comm, tensor)
+    else:
+        butterfly_allreduce(comm, tensor)
+"""
+
+
+#: the measured tests of task 6 and what the solution and the library's copy score on them
+MEASURED_TESTS = ("test_fast_allreduce_at_every_size[4]", "test_fast_allreduce_at_every_size[5]")
+MEASURED = {"alice": 8, "library_auto": 2}
+
+
 def realistic(solution: str, stub: str) -> dict[str, dict[str, bytes] | bytes]:
     """student -> {file: content} (a folder) or bytes (a .zip)."""
     bob = replace_function(solution, "ring_allreduce", GATHER_ALLREDUCE)
@@ -144,6 +175,7 @@ def realistic(solution: str, stub: str) -> dict[str, dict[str, bytes] | bytes]:
         "dave": {FILE: replace_function(solution, "ring_allreduce", RECV_FIRST_RING).encode()},
         "erin": {FILE: prepend(solution, "import minidist_extras  # not installed anywhere").encode()},
         "frank.zip": zip_bytes(frank),
+        "library_auto": {FILE: replace_function(solution, "fast_allreduce", LIBRARY_AUTO).encode()},
     }
 
 

@@ -7,6 +7,8 @@ Two batches, each graded once in a module-scoped fixture and read by many tests:
   so that a deadlock or an infinite loop costs seconds. The same output folder is then graded
   again: a rerun reuses every finished submission, a submission whose results are gone is graded
   again to the same gradebook (same seed key, same grades), a changed one is graded anew.
+``test_a_copy_of_the_library_does_not_reach_the_top_tier`` grades library_auto (the library's
+``md.allreduce(algorithm="auto")`` as ``fast_allreduce``) on the two measured tests alone.
 The solution and the released stub on every hidden test: ``test_solutions_and_stubs.py``.
 
 The hostile students that attack the sandbox itself are graded in ``test_hostile.py``.
@@ -15,6 +17,7 @@ The hostile students that attack the sandbox itself are graded in ``test_hostile
 from __future__ import annotations
 
 import fnmatch
+import glob
 import json
 import os
 import subprocess
@@ -29,6 +32,7 @@ from grade_helpers import gradebook, run_grader, sandbox_processes
 from grader import similarity
 from grader.a1_collectives.grading import ASSIGNMENT as assignment
 from grader.examples.a1_collectives import make
+from grader.examples.common import write
 
 ROOT = Path(__file__).resolve().parents[3]
 SUBSET = [
@@ -57,6 +61,7 @@ REALISTIC = {
     "dave": ("ok", 3),  # the ring allreduce deadlocks
     "erin": ("import_error", 0),
     "frank": ("ok", 6),
+    "library_auto": ("ok", 6),  # its fast_allreduce is not on SUBSET: see the measured test below
 }
 EXPECTED = {**REALISTIC, **make.BAD, **make.CHEATING}
 
@@ -163,6 +168,27 @@ def test_a_rerun_resumes_and_regrades_to_the_same_gradebook(batch):
     (batch.submissions / "bob" / "collectives.py").write_text(make.SOLUTION.read_text())
     grade(batch.submissions, out, *EXAMPLE_OPTIONS)
     assert gradebook(out)["bob"]["score"] == "6"
+
+
+@pytest.mark.timeout(300)
+def test_a_copy_of_the_library_does_not_reach_the_top_tier(tmp_path):
+    """library_auto's fast_allreduce is md.allreduce(algorithm="auto") copied (ring or butterfly by
+    the cost model): 1.98x the best textbook time on 4 ranks, 1.59x on 5, the third tier of both
+    measured tests (``make.MEASURED``), on the leaderboards with those values; the feedback names
+    what full points need. (The solution's top tier: ``test_solutions_and_stubs.py``.)"""
+    submissions, out = tmp_path / "subs", tmp_path / "out"
+    student = make.realistic(make.SOLUTION.read_text(), make.STUB.read_text())["library_auto"]
+    write(submissions, {"library_auto": student})
+    tests = [arg for name in make.MEASURED_TESTS for arg in ("--tests", glob.escape(name))]
+    run_grader("a1_collectives", submissions, out, "--seed-key", "k", *tests, timeout=240)
+    row = gradebook(out)["library_auto"]
+    assert (row["status"], float(row["score"])) == ("ok", make.MEASURED["library_auto"]), row
+    measured = json.loads((out / "library_auto" / "results.json").read_text())["extra_data"]["measured"]
+    assert round(measured[make.MEASURED_TESTS[0]], 2) == 1.98, measured
+    assert round(measured[make.MEASURED_TESTS[1]], 2) == 1.59, measured
+    boards = sorted((out / "leaderboard").iterdir())
+    assert len(boards) == 2 and all("\n1,library_auto," in board.read_text() for board in boards), boards
+    assert "full points need at most 1\\.1x" in (out / "library_auto" / "feedback.md").read_text()
 
 
 @pytest.mark.timeout(300)
