@@ -1,28 +1,23 @@
-"""Assignment 5, part 2: the 1F1B pipeline schedule and the step that runs one stage of it.
+"""Assignment 5, part 2: pipeline schedules, and the step that runs one stage of one.
 
 A model cut into p stages (rank r runs stage r) trains on a batch split into m microbatches.
 A schedule is, for every stage, the list of its actions in order: ``("F", j)`` runs the forward
-of microbatch j, ``("B", j)`` its backward. GPipe (given) does every forward, then every
-backward; stage r then holds the activations of all m microbatches at once. 1F1B (PipeDream-
-Flush, Narayanan et al. 2021) starts backwards as early as possible, so stage r holds at most
-``p - r``. p = 4 stages, m = 6 microbatches; a forward takes 1 time unit (digit: the
-microbatch), a backward 2 (letter: a = microbatch 0, b = 1, ...), ``.`` is idle::
+of microbatch j, ``("B", j)`` its backward. A schedule may also split a backward in two, as
+zero-bubble pipelines do: ``("B", j)`` then computes only the gradient of the stage's input
+(what the stage before waits for) and ``("W", j)``, which may come later, the gradients of the
+stage's weights (what nobody waits for). GPipe (given) does every forward, then every backward.
 
-    GPipe     012345.........aabbccddeeff        1F1B      0123......aa4bb5cc.dd.ee.ff
-              .012345......aabbccddeeff..                  .012....aa3bb4cc5dd.ee.ff..
-              ..012345...aabbccddeeff....                  ..01..aa2bb3cc4dd5ee.ff....
-              ...012345aabbccddeeff......                  ...0aa1bb2cc3dd4ee5ff......
-    held      6, 6, 6, 6 microbatches                      4, 3, 2, 1
+Read: lecture 7, section 4 (the bubble, the activations a stage holds, 1F1B); Narayanan et
+al. 2021, "Efficient large-scale language model training on GPU clusters using Megatron-LM",
+section 2.2; Qi et al. 2024, "Zero bubble pipeline parallelism" (ICLR), sections 2-3.
 
-Both have the same bubble, (p - 1) / (m + p - 1) of the time idle (3/9 here); 1F1B's gain is
-memory.
-
-=====  ========================  ================================================================
-task   where                     what it does
-=====  ========================  ================================================================
-6      ``one_f_one_b``           the 1F1B schedule as lists of actions
-7      ``run_stage``             one stage's actions over point-to-point messages; loss, peak
-=====  ========================  ================================================================
+=====  ==========================  ==============================================================
+task   where                       what it does
+=====  ==========================  ==============================================================
+4      ``one_f_one_b``,            1F1B; then a schedule of your own design that beats it under
+       ``fast_schedule``           the same memory cap (measured, graded in tiers)
+5      ``run_stage``               one stage's actions over point-to-point messages; loss, peak
+=====  ==========================  ==============================================================
 
 The library's pipeline (``minidist.parallel.pipeline``) is off limits, and so are
 ``torch.distributed``'s; ``comm.send``/``comm.recv`` are yours to use.
@@ -36,9 +31,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["Action", "StageResult", "gpipe", "one_f_one_b", "run_stage"]
+__all__ = ["Action", "StageResult", "fast_schedule", "gpipe", "one_f_one_b", "run_stage"]
 
-Action = tuple[str, int]  # ("F", microbatch) or ("B", microbatch)
+Action = tuple[str, int]  # ("F", j), ("B", j) or ("W", j): j is the microbatch
 
 
 def _check_sizes(stages: int, microbatches: int) -> None:
@@ -58,37 +53,68 @@ def gpipe(stages: int, microbatches: int) -> list[list[Action]]:
     return [list(one) for _ in range(stages)]
 
 
-# --- task 6: 1F1B ---------------------------------------------------------------------------
+# --- task 4: schedules -------------------------------------------------------------------------
 def one_f_one_b(stages: int, microbatches: int) -> list[list[Action]]:
-    """1F1B: stage r (of p = ``stages``; m = ``microbatches``) does, in this order,
+    """1F1B (PipeDream-Flush): the schedule that starts every backward as early as the memory
+    it may hold allows.
 
-    * warm-up: ``w = min(p - 1 - r, m)`` forwards, of microbatches 0 .. w-1;
-    * steady state, for i = 0 .. m - w - 1: the forward of microbatch w + i, then the backward
-      of microbatch i;
-    * cool-down: the backwards of microbatches m - w .. m - 1.
+    Contract: one list per stage (p = ``stages``, m = ``microbatches``), each holding every
+    ``("F", j)`` and ``("B", j)`` once, forwards and backwards each in microbatch order. Stage r
+    may hold at most min(p - r, m) microbatches (forwarded, not yet backwarded); at each step it
+    runs its next forward while it holds fewer than that and has forwards left, and otherwise its
+    next backward. ValueError for p < 1 or m < 1 (``_check_sizes``).
 
-    Every microbatch's forward and backward once; backwards in the order of the forwards. The
-    last stage (w = 0) alternates F j, B j from the start. ValueError for p < 1 or m < 1.
+    Cost (F = 1 unit, B = 2): the bubble, the idle share of p x the step's time, is
+    (p - 1) / (m + p - 1), the same as GPipe's; stage r holds p - r microbatches at its peak
+    where GPipe holds m. Read: lecture 7, section 4; Narayanan et al. 2021, section 2.2.
 
-    >>> first, last = one_f_one_b(2, 3)
-    >>> first
-    [('F', 0), ('F', 1), ('B', 0), ('F', 2), ('B', 1), ('B', 2)]
-    >>> last
+    Questions: why may the last stage hold only one microbatch, and why does stage r need p - r
+    to never wait for work? When m < p, what does the cap become?
+
+    >>> one_f_one_b(2, 3)[1]
     [('F', 0), ('B', 0), ('F', 1), ('B', 1), ('F', 2), ('B', 2)]
     """
     _check_sizes(stages, microbatches)
-    # TODO(task 6): one list per stage, three loops.
-    raise NotImplementedError("TODO(task 6): write one_f_one_b")
+    # TODO(task 4): 1F1B as lists of actions.
+    raise NotImplementedError("TODO(task 4): write one_f_one_b")
 
 
-# --- task 7: running one stage ----------------------------------------------------------------
+def fast_schedule(stages: int, microbatches: int) -> list[list[Action]]:
+    """A schedule of your own design for p = ``stages`` and m = ``microbatches`` that takes less
+    time than 1F1B and holds at most p microbatches on every stage.
+
+    Contract: one list per stage; on every stage each forward once and each backward once,
+    forwards and backwards (``B``) each in microbatch order; a backward may be split into its
+    input part ``("B", j)`` and its weight part ``("W", j)`` (any order among the Ws). Held: a
+    microbatch from its forward until its backward is done (both parts, when split).
+    ``run_stage`` must run it.
+
+    Measured (the hidden test ``test_fast_schedule``, graded in tiers): your ``run_stage`` runs
+    it on 4 stages and 8 microbatches on the grader's stages, which log every forward, B and W as
+    it runs and count what each stage holds (more than p: no points). The order they logged is
+    timed on the emulated clock, where a forward, a B and a W each take one unit (each does the
+    stage's matmul FLOPs once; a whole backward takes two) and messages take none, against the
+    ideal 3m (no idle time). 1F1B takes 1 + (p - 1)/m = 1.375x; the tiers are in the README.
+
+    Questions: in 1F1B, what is stage 0 doing while the first gradient comes back? Which part of
+    a backward does the stage before wait for, and which part could wait? What can the last
+    stages do with the memory that 1F1B leaves them (p - r of p)? What is the least time any
+    schedule can take, given when the last stage can start? Draw your schedule
+    (``a5_run.timeline``) before you run it.
+    """
+    _check_sizes(stages, microbatches)
+    # TODO(task 4): a schedule of your own that beats 1F1B under a cap of p per stage.
+    raise NotImplementedError("TODO(task 4): write fast_schedule")
+
+
+# --- task 5: running one stage ----------------------------------------------------------------
 @dataclass
 class StageResult:
     """What ``run_stage`` returns on each rank.
 
     loss: the mean over microbatches of ``loss_fn`` (a float) on the last stage, None elsewhere.
     peak_in_flight: the largest number of microbatches whose forward this stage had run and
-    whose backward it had not (their activations were held), at any moment.
+    whose backward it had not finished (both parts, when split): their activations were held.
     """
 
     loss: float | None
@@ -104,30 +130,33 @@ def run_stage(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     activation_shape: Sequence[int],
 ) -> StageResult:
-    """Run this rank's ``actions`` (``schedule[comm.rank]``) for ``stage``; rank r is stage r of
+    """Run this rank's ``actions`` (``schedule[comm.rank]``) for ``stage``: rank r is stage r of
     p = ``comm.world_size``; m, the number of microbatches, is the number of forwards in ``actions``.
 
-    ``("F", j)``:
-      * the input: stage 0 takes ``inputs[j]``; stage r > 0 receives it from rank r - 1
-        (``comm.recv`` into ``torch.empty(activation_shape)``, float32) and marks it
-        ``requires_grad_()`` (its gradient is what goes back);
-      * ``out = stage(input)``;
-      * not the last stage: send ``out`` (detached) to rank r + 1; the last stage computes
-        ``loss_fn(out, targets[j])`` instead;
-      * keep what the backward needs (input and out, or the loss) until ``("B", j)``.
-    ``("B", j)``:
-      * the last stage: backward of ``loss / m`` (so that the parameters' gradients add up to
-        those of the mean loss over the whole batch); any other stage receives the gradient of
-        ``out`` from rank r + 1 (``activation_shape``) and calls ``out.backward(grad)``;
-      * stage r > 0 sends the input's ``.grad`` to rank r - 1;
-      * drop what was kept for j.
+    Contract:
 
-    Exactly one message per microbatch and stage boundary in each direction (one send of an
-    activation forward, one of a gradient backward), nothing else. Gradients accumulate in the
-    stage's parameters (the caller zeroes them). Only call ``stage`` (``stage(x)``): the
-    grader's stage counts the forwards and backwards that go through it and shows no parameters
-    or submodules. ``inputs`` is used by stage 0 only and ``targets`` by the last only (others
-    may pass None); the activations between stages all have ``activation_shape``.
+    * the result equals one process: the last stage's loss is the mean of ``loss_fn(out,
+      targets[j])`` over the microbatches, and the gradients that accumulate in the stage's
+      parameters are those of that mean (the caller zeroes them);
+    * stage 0 reads ``inputs[j]``, the last stage ``targets[j]`` (others may get None); every
+      activation and gradient between stages has ``activation_shape`` (float32);
+    * exactly one message per microbatch and stage boundary in each direction: its activation to
+      rank r + 1, the gradient of its input to rank r - 1 (``comm.send``/``comm.recv``), nothing
+      else;
+    * the work runs in the order of ``actions``: ``("F", j)``, the forward; ``("B", j)``, the whole
+      backward -- or, when ``actions`` also holds ``("W", j)``, only the gradient of the stage's
+      input, with the weights' gradients left to ``("W", j)``. Autograd computes only what leads
+      to the tensors you ask for (``torch.autograd.backward(..., inputs=...)``): the input for B,
+      ``list(stage.parameters())`` for W;
+    * only call ``stage`` (``stage(x)``): the grader's stage counts the forwards, Bs and Ws that go
+      through it and shows no submodule and no parameter but the one W asks for.
+
+    Cost: a stage holds a microbatch's activations from its forward until its backward is done
+    (both parts, when split): ``peak_in_flight``.
+
+    Questions: what must a stage keep between a forward and its backward, and between a B and its
+    W -- and what tells autograd to keep its graph after B? What does stage 0's input need so
+    that B can ask for its gradient? Where does the 1/m of the mean loss enter, and only once?
     """
-    # TODO(task 7): a dict microbatch -> what is kept; count its size after every forward.
-    raise NotImplementedError("TODO(task 7): write run_stage")
+    # TODO(task 5): run the actions; count what is held.
+    raise NotImplementedError("TODO(task 5): write run_stage")

@@ -2,12 +2,13 @@
 
     python -m pytest -q test_a5_model_parallel.py
 
-Tasks 1-5 run your layers on 2 ranks (``a5_run.py``; your modules are imported in the worker
-processes) against the dense MLP in this process; task 6 is checked in this process; task 7
-runs your stage step on 2 ranks against the same model in one process. The grader runs more:
-other sizes and degrees, every shard's gradient, the exact number of allreduces and messages,
-a brute-force check of your schedule, its bubble and its memory, and the executor on 4 stages
-with the grader's own stage modules.
+Tasks 1-3 run your layers on 2 ranks (``a5_run.py``; your modules are imported in the worker
+processes) against the dense MLP in this process; task 4's schedules are checked in this
+process; task 5 runs your stage step on 2 ranks against the same model in one process. The
+grader runs more: other sizes and degrees, every shard's gradient, the exact number of
+allreduces and messages, a brute-force check of your 1F1B, its bubble and its memory, the stage
+step on 4 stages with the grader's own stage modules, and your ``fast_schedule`` run by your
+``run_stage`` on 4 stages, timed from the order its stages ran (graded in tiers).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import a5_run
 import pytest
 import torch
-from schedule import gpipe, one_f_one_b
+from schedule import fast_schedule, gpipe, one_f_one_b
 from tp_layers import ColumnParallelLinear, RowParallelLinear, shard_range
 
 import minidist as md
@@ -45,7 +46,7 @@ def dense_reference():
     return mlp, x, out.detach()
 
 
-# --- tasks 1-5 ------------------------------------------------------------------------------------
+# --- tasks 1-3 ------------------------------------------------------------------------------------
 def test_parallel_mlp_equals_the_dense_mlp_on_two_ranks():
     reports = run(a5_run.tp_mlp, 2, D, FFN)
     mlp, x, out = dense_reference()
@@ -79,16 +80,8 @@ class _Rank:
         self.rank, self.world_size = rank, world_size
 
 
-# --- task 6 ---------------------------------------------------------------------------------------
-def in_flight_peaks(schedule) -> list[int]:
-    peaks = []
-    for actions in schedule:
-        live, peak = 0, 0
-        for kind, _ in actions:
-            live += 1 if kind == "F" else -1
-            peak = max(peak, live)
-        peaks.append(peak)
-    return peaks
+# --- task 4 ---------------------------------------------------------------------------------------
+in_flight_peaks = a5_run.held
 
 
 def test_one_f_one_b_has_every_action_once_and_holds_p_minus_r():
@@ -108,8 +101,23 @@ def test_one_f_one_b_with_fewer_microbatches_than_stages():
     assert in_flight_peaks(one_f_one_b(4, 2)) == [2, 2, 2, 1]
 
 
-# --- task 7 ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
+def test_fast_schedule_is_valid_within_the_cap_and_beats_1f1b():
+    p, m = 4, 8  # what the grader measures (on the order your run_stage runs it)
+    schedule = fast_schedule(p, m)
+    assert len(schedule) == p
+    for r, actions in enumerate(schedule):
+        for kind in ("F", "B"):  # once each, in microbatch order
+            assert [j for k, j in actions if k == kind] == list(range(m)), f"stage {r}: the {kind}s"
+        weights = [j for k, j in actions if k == "W"]
+        assert sorted(weights) == sorted(set(weights)) and set(weights) <= set(range(m)), f"stage {r}: Ws"
+    assert max(in_flight_peaks(schedule)) <= p, f"held {in_flight_peaks(schedule)}: the cap is p = {p}"
+    _, fast = a5_run.timeline(schedule)
+    _, baseline = a5_run.timeline(one_f_one_b(p, m))
+    assert fast < baseline, f"{fast:.4g}x of the ideal, 1F1B {baseline:.4g}x: no faster"
+
+
+# --- task 5 ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["1f1b", "gpipe", "split-gpipe"])
 def test_stage_step_gradients_equal_one_process(kind):
     m, rows, width, classes = 3, 4, 6, 3
     reports = run(a5_run.pipeline, 2, m, rows, width, classes, kind)
@@ -120,3 +128,14 @@ def test_stage_step_gradients_equal_one_process(kind):
             assert torch.allclose(got, want, atol=1e-6), f"stage {rank}: a gradient differs"
         assert report["messages"] == m, f"stage {rank}: {report['messages']} messages for {m} microbatches"
     assert [r["peak"] for r in reports] == ([2, 1] if kind == "1f1b" else [m, m])
+
+
+def test_stage_step_runs_your_fast_schedule():
+    m, rows, width, classes = 5, 4, 6, 3
+    reports = run(a5_run.pipeline, 2, m, rows, width, classes, "fast")
+    loss, grads = a5_run.one_process(2, m, rows, width, classes)
+    assert reports[0]["loss"] is None and abs(reports[1]["loss"] - loss) < 1e-5
+    for rank, report in enumerate(reports):
+        for got, want in zip(report["grads"], grads[rank], strict=True):
+            assert torch.allclose(got, want, atol=1e-6), f"stage {rank}: a gradient differs"
+    assert [r["peak"] for r in reports] == in_flight_peaks(fast_schedule(2, m))

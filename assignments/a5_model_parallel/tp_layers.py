@@ -1,43 +1,27 @@
 """Assignment 5, part 1: tensor parallelism, Megatron style (Shoeybi et al., 2019), for the MLP.
 
-A transformer MLP is ``down(gelu(up(x)))`` with ``up: d -> ffn`` and ``down: ffn -> d``. Megatron
-splits ``up`` by its OUTPUT features (column-parallel) and ``down`` by its INPUT features
-(row-parallel), so that the GELU between them runs on each rank's slice alone::
-
-            x (b, s, d), the same on every rank
-            |
-            f      forward: identity           backward: allreduce the gradient of x
-      ______|______
-     |             |
-   up_0 (d, F/2)  up_1 (d, F/2)     ColumnParallelLinear: rank r holds rows r of the dense weight
-     |             |
-   gelu          gelu               elementwise: no communication
-     |             |
-  down_0 (F/2, d) down_1 (F/2, d)   RowParallelLinear: rank r holds columns r of the dense weight
-     |_____________|
-            |
-            g      forward: allreduce (sum of the partial outputs)    backward: identity
-            |
-          + bias (once, after the sum)
-            |
-            y (b, s, d), the same on every rank
-
-One allreduce forward (g), one backward (f): nothing else is sent. f and g are *conjugate*: each
-is the other's transpose. Write them as ``torch.autograd.Function``s over ``md.allreduce``
-(that is the primitive you may use; the library's tensor-parallel layers are off limits).
+A transformer MLP is ``down(gelu(up(x)))`` with ``up: d -> ffn`` and ``down: ffn -> d``. On p
+ranks, each rank holds 1/p of each weight, the output equals the dense MLP's on every rank, and
+the whole MLP costs exactly one allreduce of one activation (batch x seq x d) in the forward and
+one in the backward -- nothing else is sent. How the two weights must be cut for the GELU to run
+on each rank's slice alone, and where the two allreduces go, is the design: read lecture 7,
+section 3 (tensor parallelism, the conjugate operators f and g) and Shoeybi et al. 2019,
+"Megatron-LM", section 3 and figure 3.
 
 =====  ===================================  ==================================================
 task   where                                what it does
 =====  ===================================  ==================================================
-1      ``CopyToTensorParallel``             f: identity forward, allreduce backward
-2      ``ReduceFromTensorParallel``         g: allreduce forward, identity backward
-3      ``ColumnParallelLinear``             rows of the weight; optional gather of the output
-4      ``RowParallelLinear``                columns of the weight; the bias after the reduction
-5      ``ParallelMLP``                      up (column), exact GELU, down (row)
+1      ``CopyToTensorParallel`` (f),        the operator that enters the tensor-parallel
+       ``ColumnParallelLinear``             region, and the layer cut by output features
+2      ``ReduceFromTensorParallel`` (g),    the operator that leaves it, and the layer cut by
+       ``RowParallelLinear``                input features
+3      ``ParallelMLP``                      the MLP on p ranks, one allreduce each way
 =====  ===================================  ==================================================
 
 Given: the other two conjugate pairs (``gather_from_tensor_parallel``: allgather forward, split
 backward; ``scatter_to_tensor_parallel``: split forward, allgather backward) and ``shard_range``.
+``md.allreduce`` and ``md.allgather`` are the primitives you use; the library's tensor-parallel
+layers are off limits.
 
 Run the public tests from this folder (``grep -n "TODO(task" tp_layers.py schedule.py``: what
 is left)::
@@ -120,42 +104,44 @@ def scatter_to_tensor_parallel(x: torch.Tensor, comm) -> torch.Tensor:
     return _ScatterLastDim.apply(x, comm)
 
 
-# --- tasks 1 and 2: the conjugate operators f and g ---------------------------------------
+# --- the conjugate operators f (task 1) and g (task 2) ----------------------------------------
 class CopyToTensorParallel(torch.autograd.Function):
-    """f: the identity forward; backward, the SUM over ranks of the incoming gradients.
+    """f, an autograd Function of ``(x, comm)``: the operator in front of a column-parallel layer.
 
-    Why: x feeds every rank's shard of the column-parallel layer, so dL/dx is the sum of what
-    each shard sends back. Forward returns a new tensor equal to ``x`` (``x.clone()``, never
-    ``x`` itself: autograd needs a new output); backward returns ``md.allreduce`` of a copy of
-    the gradient (never modify the incoming gradient in place) and None for ``comm``.
+    Contract: the forward returns a new tensor equal to ``x`` and communicates nothing; the
+    backward returns the gradient of x for the whole model (and None for ``comm``), with exactly
+    one ``md.allreduce``. Neither changes its input or the incoming gradient in place.
+
+    Questions: x reaches every rank's shard; what is dL/dx, then, and who holds its pieces?
+    Why must the forward not return ``x`` itself?
     """
 
     @staticmethod
     def forward(ctx, x, comm):
-        # TODO(task 1): keep comm on ctx; no communication here.
         raise NotImplementedError("TODO(task 1): write CopyToTensorParallel.forward")
 
     @staticmethod
     def backward(ctx, grad):
-        # TODO(task 1): one md.allreduce (sum) of a copy of grad.
         raise NotImplementedError("TODO(task 1): write CopyToTensorParallel.backward")
 
 
 class ReduceFromTensorParallel(torch.autograd.Function):
-    """g: forward, the SUM over ranks of ``x`` (one ``md.allreduce`` of a copy); backward, the identity.
+    """g, an autograd Function of ``(x, comm)``: the operator behind a row-parallel layer, f's
+    conjugate (each is the other's transpose).
 
-    Why: each rank holds a partial sum of the row-parallel output; every rank needs the total.
-    The gradient of a sum with respect to each of its terms is the gradient of the sum itself.
+    Contract: the forward returns the sum over ranks of ``x`` with exactly one ``md.allreduce``
+    (``x`` itself unchanged); the backward communicates nothing.
+
+    Questions: what is the gradient of a sum with respect to one of its terms? Which rank
+    already has it?
     """
 
     @staticmethod
     def forward(ctx, x, comm):
-        # TODO(task 2): one md.allreduce of x.clone() (x itself must not change).
         raise NotImplementedError("TODO(task 2): write ReduceFromTensorParallel.forward")
 
     @staticmethod
     def backward(ctx, grad):
-        # TODO(task 2): no communication here.
         raise NotImplementedError("TODO(task 2): write ReduceFromTensorParallel.backward")
 
 
@@ -169,54 +155,57 @@ def reduce_from_tensor_parallel(x: torch.Tensor, comm) -> torch.Tensor:
     return ReduceFromTensorParallel.apply(x, comm)
 
 
-# --- task 3: column-parallel linear -----------------------------------------------------------
+# --- task 1: column-parallel linear (with f) ----------------------------------------------------
 class ColumnParallelLinear(nn.Module):
-    """``y = x W^T + b`` with W (d_out, d_in) split by ROWS: rank r holds rows
-    ``[r d_out/p, (r+1) d_out/p)`` of W (and the same entries of b), as ``self.weight``
-    (d_out/p, d_in) and ``self.bias`` (d_out/p,) or None.
+    """``y = x W^T + b`` for a dense W (d_out, d_in), cut by output features: rank r holds rows
+    ``[r d_out/p, (r+1) d_out/p)`` of W and the same entries of b, as ``self.weight``
+    (d_out/p, d_in) and ``self.bias`` (d_out/p,) or None (``bias=False``).
 
-    forward(x): ``x`` is the full input (the same on every rank). Apply f to it (so that the
-    backward sums dL/dx over ranks), then this rank's slice of the output, ``F.linear`` with its
-    shard. ``gather_output=True``: return the full (..., d_out) output
-    (``gather_from_tensor_parallel``); otherwise the (..., d_out/p) slice.
+    Contract: ``x`` (..., d_in) is the same on every rank. The output is this rank's slice
+    (..., d_out/p) of the dense layer's, or with ``gather_output=True`` the whole (..., d_out);
+    the gradient of ``x`` is the dense layer's, and each shard's gradient is its slice of the
+    dense one. ``d_out`` must divide by p (``shard_range`` raises the ValueError). The parameters
+    start at zero; ``load_dense(weight, bias)`` copies this rank's shard of a dense layer's into
+    them, and the layer computes with ``self.weight`` and ``self.bias`` (the grader changes them
+    after loading).
 
-    Sizes: ``d_out`` must divide by ``comm.world_size`` (``shard_range`` raises the ValueError).
-    The parameters start at zero; ``load_dense(weight, bias)`` copies this rank's shard of a
-    dense layer's (d_out, d_in) weight and (d_out,) bias into them.
+    Cost: no communication in the forward without the gather (one allgather with it); one
+    allreduce of x's size in the backward.
     """
 
     def __init__(self, d_in: int, d_out: int, comm, bias: bool = True, gather_output: bool = False) -> None:
         super().__init__()
         self.comm, self.d_in, self.d_out, self.gather_output = comm, d_in, d_out, gather_output
-        # TODO(task 3): self.rows = shard_range(d_out, comm, "d_out"); zero Parameters of the
-        # shard's shapes; self.bias = None without a bias.
-        raise NotImplementedError("TODO(task 3): write ColumnParallelLinear.__init__")
+        # TODO(task 1): self.rows, this rank's rows (``shard_range``); the zero parameters.
+        raise NotImplementedError("TODO(task 1): write ColumnParallelLinear.__init__")
 
     @torch.no_grad()
     def load_dense(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Copy this rank's rows of the dense ``weight`` (d_out, d_in) and entries of ``bias``."""
-        # TODO(task 3): copy_ into self.weight (and self.bias when both exist).
-        raise NotImplementedError("TODO(task 3): write ColumnParallelLinear.load_dense")
+        raise NotImplementedError("TODO(task 1): write ColumnParallelLinear.load_dense")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # TODO(task 3): f, F.linear with the shard, gather if asked.
-        raise NotImplementedError("TODO(task 3): write ColumnParallelLinear.forward")
+        raise NotImplementedError("TODO(task 1): write ColumnParallelLinear.forward")
 
 
-# --- task 4: row-parallel linear ----------------------------------------------------------------
+# --- task 2: row-parallel linear (with g) -------------------------------------------------------
 class RowParallelLinear(nn.Module):
-    """``y = x W^T + b`` with W (d_out, d_in) split by COLUMNS: rank r holds columns
+    """``y = x W^T + b`` for a dense W (d_out, d_in), cut by input features: rank r holds columns
     ``[r d_in/p, (r+1) d_in/p)`` of W as ``self.weight`` (d_out, d_in/p); the bias (d_out,) is
     whole on every rank (``self.bias``, or None).
 
-    forward(x): ``input_is_parallel=True``: ``x`` is already this rank's (..., d_in/p) slice
-    (what a column-parallel layer without gather gives); otherwise ``x`` is the full input and
-    this rank takes its slice first (``scatter_to_tensor_parallel``). Then the partial product
-    ``F.linear(x_r, W_r)`` (no bias!), g (the sum over ranks), and THEN the bias, once: adding
-    it before g would add it p times.
+    Contract: with ``input_is_parallel=True``, ``x`` is this rank's (..., d_in/p) slice of the
+    input (what a column-parallel layer without gather gives); otherwise the whole (..., d_in)
+    input. The output (..., d_out) is the dense layer's, on every rank; the gradients of ``x`` and
+    of each shard are their parts of the dense ones. ``d_in`` must divide by p. ``load_dense``
+    copies this rank's columns of the dense weight and the whole bias; the layer computes with
+    ``self.weight`` and ``self.bias``.
 
-    Sizes: ``d_in`` must divide by ``comm.world_size``. The parameters start at zero;
-    ``load_dense(weight, bias)`` copies this rank's columns of the dense weight and the whole bias.
+    Cost: one allreduce of the output's size in the forward; none in the backward with a
+    parallel input (one allgather without).
+
+    Questions: what does each rank hold after its partial product, and what do the ranks need?
+    Where may the bias go, and how many times is it added if it goes anywhere else?
     """
 
     def __init__(
@@ -224,40 +213,41 @@ class RowParallelLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.comm, self.d_in, self.d_out, self.input_is_parallel = comm, d_in, d_out, input_is_parallel
-        # TODO(task 4): self.columns = shard_range(d_in, comm, "d_in"); zero Parameters.
-        raise NotImplementedError("TODO(task 4): write RowParallelLinear.__init__")
+        # TODO(task 2): self.columns, this rank's columns (``shard_range``); the zero parameters.
+        raise NotImplementedError("TODO(task 2): write RowParallelLinear.__init__")
 
     @torch.no_grad()
     def load_dense(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Copy this rank's columns of the dense ``weight`` (d_out, d_in) and the whole ``bias``."""
-        # TODO(task 4): copy_ into self.weight (and self.bias when both exist).
-        raise NotImplementedError("TODO(task 4): write RowParallelLinear.load_dense")
+        raise NotImplementedError("TODO(task 2): write RowParallelLinear.load_dense")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # TODO(task 4): scatter unless input_is_parallel; partial product; g; the bias once.
-        raise NotImplementedError("TODO(task 4): write RowParallelLinear.forward")
+        raise NotImplementedError("TODO(task 2): write RowParallelLinear.forward")
 
 
-# --- task 5: the MLP -----------------------------------------------------------------------------
+# --- task 3: the MLP -----------------------------------------------------------------------------
 class ParallelMLP(nn.Module):
-    """``down(gelu(up(x)))`` split Megatron's way (the picture at the top): ``self.up``, a
-    ColumnParallelLinear(d, ffn) without gather; the exact GELU (``F.gelu``, no tanh
-    approximation); ``self.down``, a RowParallelLinear(ffn, d) whose input is parallel.
-    Exactly one allreduce forward and one backward per call.
+    """The dense ``minidist.models.transformer.MLP`` (``down(gelu(up(x)))``, exact GELU) on p
+    ranks, as ``self.up`` and ``self.down`` built from your layers.
 
-    ``load_dense(mlp)`` takes a dense ``minidist.models.transformer.MLP`` (``mlp.up``,
-    ``mlp.down``: ``nn.Linear``) and loads both layers' shards.
+    Contract: ``x`` (batch, seq, d) and the output are the same on every rank and equal the dense
+    MLP's, and so are the gradients (each shard's, its part); ``ffn`` divides by p.
+    ``load_dense(mlp)`` takes the dense MLP (``mlp.up``, ``mlp.down``: ``nn.Linear``) and loads
+    both layers' shards.
+
+    Cost: exactly one allreduce of one activation in the forward and one in the backward per
+    call, counted by the grader; nothing else.
+
+    Questions: which cut of ``up`` lets the GELU run on each rank's slice alone, and which cut of
+    ``down`` takes that slice as it is? Where, then, are the two allreduces?
     """
 
     def __init__(self, d: int, ffn: int, comm) -> None:
         super().__init__()
-        # TODO(task 5): self.up and self.down.
-        raise NotImplementedError("TODO(task 5): write ParallelMLP.__init__")
+        raise NotImplementedError("TODO(task 3): write ParallelMLP.__init__")
 
     def load_dense(self, mlp: nn.Module) -> None:
-        # TODO(task 5): load_dense of both layers.
-        raise NotImplementedError("TODO(task 5): write ParallelMLP.load_dense")
+        raise NotImplementedError("TODO(task 3): write ParallelMLP.load_dense")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # TODO(task 5): three lines.
-        raise NotImplementedError("TODO(task 5): write ParallelMLP.forward")
+        raise NotImplementedError("TODO(task 3): write ParallelMLP.forward")

@@ -1,4 +1,4 @@
-"""How ``python -m grader grade`` runs assignment 4: the hidden tests as jobs plus trusted checks.
+"""How ``python -m grader grade`` runs assignment 5: the hidden tests as jobs plus trusted checks.
 
 Each ``Case`` of ``cases.cases(seed)`` becomes a ``Job`` (a worker of ``workers.py``, its
 ranks and JSON arguments, with seeds only this run knows) that the sandbox runs, and the case's
@@ -38,22 +38,25 @@ GIVEN_FUNCTIONS = (
 )
 
 HINTS = {
-    "copy_to_tensor_parallel": "f: forward returns x.clone() (no communication); backward returns "
-    "md.allreduce(ctx.comm, grad.clone()), None. g is the mirror image.",
-    "reduce_from_tensor_parallel": "g: forward returns md.allreduce(comm, x.clone()); "
-    "backward returns grad, None.",
-    "ColumnParallelLinear": "Rank r keeps rows [r d_out/p, (r+1) d_out/p) of W and b; forward: "
-    "F.linear(f(x), W_r, b_r), gathered only if gather_output.",
-    "RowParallelLinear": "Rank r keeps columns [r d_in/p, (r+1) d_in/p) of W and the whole bias; forward: "
-    "g(F.linear(x_r, W_r)) + b -- the bias after the sum, once.",
-    "ParallelMLP": "up: ColumnParallelLinear(d, ffn) without gather; exact F.gelu; "
-    "down: RowParallelLinear(ffn, d) "
-    "with a parallel input. No other allreduce: one forward (g), one backward (f).",
-    "one_f_one_b": "Stage r: w = min(p - 1 - r, m) forwards; then m - w pairs (F w+i, B i); then the last w "
-    "backwards. It holds at most p - r microbatches (GPipe holds m).",
-    "run_stage": "F: input (inputs[j] or recv from r-1, requires_grad_), out = stage(x), send to r+1 or "
-    "the loss; B: (loss/m).backward() or recv the gradient from r+1 and out.backward(grad); "
-    "send x.grad to r-1. One message per microbatch and direction; count what is kept.",
+    "copy_to_tensor_parallel": "f and g: x reaches every rank's shard, so who holds the pieces of dL/dx? "
+    "g sums partial outputs: what is the gradient of a sum with respect to one term? Which of the two "
+    "communicates in the forward, which in the backward -- once each?",
+    "reduce_from_tensor_parallel": "g: what is the gradient of a sum with respect to one of its terms, "
+    "and which rank already has it?",
+    "ColumnParallelLinear": "Which rows of W and b does rank r hold, and does its layer compute with the "
+    "parameters it exposes? What must wrap x so that the backward returns the whole dL/dx?",
+    "RowParallelLinear": "Which columns of W does rank r hold? What does each rank have after its partial "
+    "product, and how many times is a bias added before the sum?",
+    "ParallelMLP": "Which cut of up lets the GELU run on each rank's slice alone, and which cut of down "
+    "takes that slice as it is? Is there any collective besides the two the layers make?",
+    "one_f_one_b": "How many microbatches may stage r hold, and does it run a forward whenever it holds "
+    "fewer (and otherwise its next backward)? Lecture 7, section 4.",
+    "fast_schedule": "Which part of a backward does the stage before wait for, and which part could wait? "
+    "What fills stage 0's idle time while the first gradient comes back, and the last stages' at the "
+    "end? Draw it with a5_run.timeline; the cap is p held per stage.",
+    "run_stage": "Does every forward go through stage(x), and every message go once per microbatch and "
+    "direction? For a split backward, what does B ask autograd for (inputs=...), what must stay until W, "
+    "and does stage 0's input require a gradient? Is what you count held until the backward is done?",
 }
 
 ASSIGNMENT = Assignment.of(

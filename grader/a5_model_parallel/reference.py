@@ -10,7 +10,10 @@ against the solution's schedules.
 
 Each ``*_check`` returns a function of the ranks' reports (read back as data) that raises
 ``AssertionError`` with a message a student may read: it names what differs and by how much,
-never the expected value.
+never the expected value. ``measured_check`` (the measured test, graded in tiers) returns, when
+the run is right, the step's time on the emulated clock (``emulated_time``: the order the
+grader's stages logged, F = B = W = 1 unit) over the ideal (``ideal_time``); ``zero_bubble`` is
+the grader's own schedule with split backwards, which the stage step must run.
 """
 
 from __future__ import annotations
@@ -41,6 +44,30 @@ def one_f_one_b(p: int, m: int) -> list[list[tuple[str, int]]]:
             else:
                 actions.append(("B", backwards))
                 backwards += 1
+        out.append(actions)
+    return out
+
+
+def zero_bubble(p: int, m: int) -> list[list[tuple[str, int]]]:
+    """A schedule that splits every backward into B (the input's gradient) and W (the weights'),
+    derived from when work can start: stage r runs min(p - r, m) forwards, then for each
+    microbatch k in order its B, the W of microbatch k - r (so that stage r holds at most p), the
+    next forward; then the Ws left. With F = B = W it idles p - 1 units per stage for m >= p
+    (1F1B: 3 (p - 1)). The grader's own; the stage step runs it in ``test_run_stage[...-split]``."""
+    out = []
+    for r in range(p):
+        forwards = min(p - r, m)
+        actions = [("F", j) for j in range(forwards)]
+        weights = 0
+        for k in range(m):
+            actions.append(("B", k))
+            if k - r >= 0:
+                actions.append(("W", k - r))
+                weights += 1
+            if forwards < m:
+                actions.append(("F", forwards))
+                forwards += 1
+        actions += [("W", j) for j in range(weights, m)]
         out.append(actions)
     return out
 
@@ -120,15 +147,85 @@ def bubble_formula(p: int, m: int) -> float:
 
 
 def peaks(schedule) -> list[int]:
-    """Per stage, the most microbatches forwarded and not yet backwarded at once."""
+    """Per stage, the most microbatches forwarded and not yet backwarded at once (a backward split
+    into B and W is done at the second of the two)."""
     out = []
     for actions in schedule:
+        split = {j for kind, j in actions if kind == "W"}
+        parts: dict[int, int] = {}
         live = peak = 0
-        for kind, _ in actions:
-            live += 1 if kind == "F" else -1
+        for kind, j in actions:
+            if kind == "F":
+                live += 1
+            else:
+                parts[j] = parts.get(j, 0) + 1
+                live -= parts[j] == (2 if j in split else 1)
             peak = max(peak, live)
         out.append(peak)
     return out
+
+
+#: the emulated clock's units: a forward, a backward's input part (B) and its weight part (W) each
+#: do the FLOPs of the stage's matmuls once (2 N T for N weights and T rows: x W^T, g W, g^T x);
+#: a whole backward (B and W in one call) is both. Sending takes no time (the simulator's rule).
+UNITS = {"F": 1.0, "B": 1.0, "W": 1.0}
+
+
+def check_executed(orders: list[list[tuple[str, int]]], p: int, m: int) -> None:
+    """The order the grader's stages logged: on every stage the forwards 0 .. m-1 in order, one
+    backward per microbatch in the same order (whole, or its B part) and at most one W part each,
+    nothing run twice. AssertionError naming the first violation."""
+    for r, order in enumerate(orders):
+        where = f"stage {r}"
+        if any(j < 0 for _, j in order):
+            raise AssertionError(
+                f"{where}: a backward ran twice for one forward (a second backward adds nothing)"
+            )
+        forwards = [j for kind, j in order if kind == "F"]
+        backwards = [j for kind, j in order if kind == "B"]
+        weights = sorted(j for kind, j in order if kind == "W")
+        if forwards != list(range(m)):
+            raise AssertionError(f"{where}: {len(forwards)} forwards for {m} microbatches")
+        if backwards != list(range(m)):
+            raise AssertionError(
+                f"{where}: the backwards (B) ran {len(backwards)} times or out of microbatch order; "
+                f"one per microbatch, in the order of the forwards"
+            )
+        if len(weights) != len(set(weights)):
+            raise AssertionError(f"{where}: a weight part (W) ran twice")
+
+
+def emulated_time(orders: list[list[tuple[str, int]]]) -> float:
+    """The step's time on the emulated clock (``UNITS``) when every stage runs its logged order:
+    each piece of work starts when its stage is free and what it needs is there -- F j the
+    activation of F j on the stage before; B j and W j the gradient from B j on the stage after
+    (and their own forward). AssertionError if the orders wait on each other (they cannot have run)."""
+    p = len(orders)
+    split = [{j for kind, j in order if kind == "W"} for order in orders]
+    end: dict[tuple[int, str, int], float] = {}
+    free, position = [0.0] * p, [0] * p
+    while any(position[r] < len(orders[r]) for r in range(p)):
+        moved = False
+        for r in range(p):
+            while position[r] < len(orders[r]):
+                kind, j = orders[r][position[r]]
+                needs = [(r - 1, "F", j)] if kind == "F" and r > 0 else []
+                if kind != "F":
+                    needs = [(r, "F", j)] + ([(r + 1, "B", j)] if r < p - 1 else [])
+                if any(n not in end for n in needs):
+                    break
+                length = UNITS[kind] + (UNITS["W"] if kind == "B" and j not in split[r] else 0.0)
+                free[r] = end[(r, kind, j)] = max([free[r]] + [end[n] for n in needs]) + length
+                position[r] += 1
+                moved = True
+        if not moved:
+            raise AssertionError("the stages' orders wait on each other: they cannot have run")
+    return max(free)
+
+
+def ideal_time(m: int) -> float:
+    """One stage's work with no idle time: m forwards and m whole backwards."""
+    return m * (UNITS["F"] + UNITS["B"] + UNITS["W"])
 
 
 # --- tensor parallel: the dense model --------------------------------------------------------
@@ -457,52 +554,89 @@ def _sent_check(where: str, sent: list, want: list[torch.Tensor], what: str) -> 
         _close(f"{where}: the {what} sent for microbatch {j}", got, expected, atol=1e-6, rtol=1e-5)
 
 
+def _stage_checks(what: str, spec: dict, reports: list[dict], check_messages: bool, order_check=None) -> None:
+    """What every run of the stage step must get right, whatever the schedule: the loss, every
+    gradient (the grader's stage's own), no stray forward, then ``order_check(where, r, report)``
+    (the order and the peak the grader logged), the peak it reports equal to the one the grader
+    counted, and the messages (their count, bytes and contents); stage by stage, in this order."""
+    p = spec["world_size"]
+    loss, grads, activations, gradients = one_process(spec)
+    for r, report in enumerate(reports):
+        where = f"{what}, stage {r}"
+        if r == p - 1:
+            got = report["loss"]
+            if not isinstance(got, (int, float)) or abs(got - loss) > 1e-6 * max(1.0, abs(loss)):
+                raise AssertionError(f"{where}: the loss {got} is not the mean over the microbatches")
+        elif report["loss"] is not None:
+            raise AssertionError(
+                f"{where}: loss {report['loss']}; only the last stage has a loss (None elsewhere)"
+            )
+        if report["stray"] != 0:
+            raise AssertionError(
+                f"{where}: the stage's layers ran {report['stray']} time(s) without going through "
+                "the stage you were given; call stage(x) for every forward"
+            )
+        if len(report["grads"]) != len(grads[r]):
+            raise AssertionError(f"{where}: {len(report['grads'])} gradients for {len(grads[r])} parameters")
+        for i, (got, want) in enumerate(zip(report["grads"], grads[r])):
+            if got is None:
+                raise AssertionError(f"{where}: parameter {i} has no gradient (was its backward run?)")
+            _close(f"{where}: the gradient of parameter {i}", got, want, atol=1e-6, rtol=1e-5)
+        if order_check is not None:
+            order_check(where, r, report)
+        if report["peak"] != report["measured_peak"]:
+            raise AssertionError(
+                f"{where}: peak_in_flight is {report['peak']}, "
+                f"but the grader counted {report['measured_peak']}"
+            )
+        if check_messages:
+            _traffic_check(where, spec, r, report, activations, gradients)
+
+
 def executor_check(what: str, spec: dict, check_messages: bool = True):
+    want_peaks = peaks(spec["schedule"])
+
+    def order_check(where: str, r: int, report: dict) -> None:
+        order = [(str(kind), int(j)) for kind, j in report["order"]]
+        if order != [(kind, int(j)) for kind, j in spec["schedule"][r]]:
+            raise AssertionError(
+                f"{where}: the forwards and backwards (and their microbatches) did not run in "
+                "the order of the schedule"
+            )
+        if report["measured_peak"] != want_peaks[r]:
+            raise AssertionError(
+                f"{where}: {report['measured_peak']} microbatches were held at once, "
+                "which is wrong for this schedule"
+            )
+
     def check(reports: list[dict]) -> None:
-        p = spec["world_size"]
-        loss, grads, activations, gradients = one_process(spec)
-        want_peaks = peaks(spec["schedule"])
+        _stage_checks(what, spec, reports, check_messages, order_check)
+
+    return check
+
+
+def measured_check(what: str, spec: dict):
+    """The measured test: the student's ``fast_schedule`` run by the student's ``run_stage`` on
+    the grader's stages. Right (the stage checks), within the cap (at most p microbatches held on
+    every stage, counted by the grader's stages), and then timed: the order the grader's stages
+    logged, on the emulated clock (``emulated_time``), over the ideal (``ideal_time``). Returns
+    that ratio; what the student's code reports about itself (its schedule, its peak) is not used."""
+
+    def check(reports: list[dict]) -> float:
+        p, m = spec["world_size"], spec["m"]
+        orders = [[(str(kind), int(j)) for kind, j in report["order"]] for report in reports]
+        try:
+            check_executed(orders, p, m)
+        except AssertionError as error:
+            raise AssertionError(f"{what}: {error}") from None
         for r, report in enumerate(reports):
-            where = f"{what}, stage {r}"
-            if r == p - 1:
-                got = report["loss"]
-                if not isinstance(got, (int, float)) or abs(got - loss) > 1e-6 * max(1.0, abs(loss)):
-                    raise AssertionError(f"{where}: the loss {got} is not the mean over the microbatches")
-            elif report["loss"] is not None:
+            if report["measured_peak"] > p:
                 raise AssertionError(
-                    f"{where}: loss {report['loss']}; only the last stage has a loss (None elsewhere)"
+                    f"{what}, stage {r}: {report['measured_peak']} microbatches held at once; "
+                    f"the cap is p = {p} on every stage"
                 )
-            if report["stray"] != 0:
-                raise AssertionError(
-                    f"{where}: the stage's layers ran {report['stray']} time(s) without going through "
-                    "the stage you were given; call stage(x) for every forward"
-                )
-            if len(report["grads"]) != len(grads[r]):
-                raise AssertionError(
-                    f"{where}: {len(report['grads'])} gradients for {len(grads[r])} parameters"
-                )
-            for i, (got, want) in enumerate(zip(report["grads"], grads[r])):
-                if got is None:
-                    raise AssertionError(f"{where}: parameter {i} has no gradient (was its backward run?)")
-                _close(f"{where}: the gradient of parameter {i}", got, want, atol=1e-6, rtol=1e-5)
-            order = [(str(kind), int(j)) for kind, j in report["order"]]
-            if order != [(kind, int(j)) for kind, j in spec["schedule"][r]]:
-                raise AssertionError(
-                    f"{where}: the forwards and backwards (and their microbatches) did not run in "
-                    "the order of the schedule"
-                )
-            if report["measured_peak"] != want_peaks[r]:
-                raise AssertionError(
-                    f"{where}: {report['measured_peak']} microbatches were held at once, "
-                    "which is wrong for this schedule"
-                )
-            if report["peak"] != report["measured_peak"]:
-                raise AssertionError(
-                    f"{where}: peak_in_flight is {report['peak']}, "
-                    f"but the grader counted {report['measured_peak']}"
-                )
-            if check_messages:
-                _traffic_check(where, spec, r, report, activations, gradients)
+        _stage_checks(what, spec, reports, check_messages=True)
+        return emulated_time(orders) / ideal_time(m)
 
     return check
 

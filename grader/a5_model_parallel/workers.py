@@ -15,16 +15,18 @@ What a rank reports besides the values, measured by the grader's code:
 * after ``load_dense`` the grader nudges every shard it was given (``nudge``, through the
   parameters the layer exposes) and the reference nudges the dense weights the same way: a
   layer that computes from a dense copy kept aside gives other values;
-* in the pipeline, the stage module is the grader's (``tracked``): the layers run inside an
-  autograd Function of the grader's that logs the forwards and backwards in the order they ran
-  (each backward with the forward it undid) and counts the microbatches held; the reported
-  gradients are the ones its backwards computed from the gradients they were given (a replay
-  with zero gradients adds zeros), and the stage shows no submodule or parameter (the layers,
-  their graph and the log live in a closure, out of the student's reach; a forward of the layers
-  that bypassed the stage is counted); ``run_stage`` gets a ``StudentComm`` (point-to-point
-  only, its ``reset_stats`` raises) that counts messages and bytes per peer and keeps a copy of every
-  tensor sent (``Recording``), compared with the activations and input gradients of the
-  one-process model.
+* in the pipeline, the stage module is the grader's (``tracked``): the layers run inside
+  autograd Functions of the grader's that log the forwards and backwards in the order they ran
+  (each backward with the forward it undid; a backward split into its input part B and its
+  weight part W logs both) and count the microbatches held; the reported gradients are the ones
+  its backwards computed from the gradients they were given (a replay with zero gradients adds
+  zeros), and the stage shows no submodule and one parameter, a zero scalar that asks for the
+  weight part (the layers, their graph and the log live in a closure, out of the student's
+  reach; a forward of the layers that bypassed the stage is counted); ``run_stage`` gets a
+  ``StudentComm`` (point-to-point only, its ``reset_stats`` raises) that counts messages and
+  bytes per peer and keeps a copy of every tensor sent (``Recording``), compared with the
+  activations and input gradients of the one-process model. The measured test times the order
+  the stage logged, on the trusted side (``reference.emulated_time``).
 """
 
 from __future__ import annotations
@@ -264,27 +266,37 @@ def schedules(comm, cases: list[list[int]]) -> list:
 def tracked(inner: nn.Module):
     """The grader's stage module and its log: ``(stage, log)``.
 
-    ``stage(x)`` runs ``inner`` inside an autograd Function of the grader's (``Counted``)::
+    ``stage(x)`` runs ``inner`` inside autograd Functions of the grader's::
 
-        student's graph:   x ──> [Counted] ──> out ──> ... loss         (no parameter in it)
-        grader's graph:    x' ─> inner(x') ─> out'   kept in ``pending``, out of the student's reach
+        student's graph:   x ──> [Input] ──┐
+                                            [Merge] ──> out ──> ... loss
+                 stage.weights ─> [Weight] ─┘          (weights: a zero scalar, not the layers)
+        grader's graph:    x' ─> inner(x') ─> out'   kept in ``records``, out of the student's reach
 
-    Its forward logs ``("F", j)`` and counts microbatch j as held; its backward logs ``("B", j)``,
-    lets j go, and differentiates ``inner``'s own graph with the gradient it was given: the
-    gradients of ``inner``'s parameters land in ``log["grads"]``, the only gradients the grader
-    reports. So every piece of work that can count is a logged forward and backward (a backward
-    given zeros adds zeros), and the student's side holds no way to the layers: ``stage`` has no
-    submodule and no parameter, and walking ``out.grad_fn`` reaches ``x`` and the grader's
-    ``anchor`` (a zero that only makes ``out`` require a gradient on stage 0), nothing else. A
-    forward of ``inner`` or any of its modules that did not come through ``stage`` (were one ever
-    reached another way) is counted in ``log["stray"]``. The log lives in this closure.
+    ``Input``'s forward logs ``("F", j)`` and counts microbatch j as held. A backward through
+    ``out`` reaches ``Input`` (the gradient of the stage's input, from ``inner``'s own graph),
+    ``Weight`` (the gradients of ``inner``'s parameters, which land in ``log["grads"]``, the only
+    gradients the grader reports), or both -- autograd runs only what leads to the tensors asked
+    for: ``backward(..., inputs=[x])`` is the input part alone, ``inputs=list(stage.parameters())``
+    the weight part alone, a plain ``backward`` both. Both in one call log ``("B", j)`` (a whole
+    backward); apart, ``("B", j)`` and ``("W", j)`` in the order they ran. Microbatch j is held
+    until both parts have run. A part run twice is logged with j = -1 and adds nothing; a part
+    given zeros adds zeros. The student's side holds no way to the layers: ``stage`` has no
+    submodule and one parameter, the zero scalar ``weights``; walking ``out.grad_fn`` reaches
+    ``x``, ``weights`` and the grader's ``anchor`` (a zero that makes ``out`` require a gradient
+    on stage 0), nothing else. A forward of ``inner`` or any of its modules that did not come
+    through ``stage`` (were one ever reached another way) is counted in ``log["stray"]``. The
+    log lives in this closure.
     """
     params = list(inner.parameters())
     log = {"live": 0, "peak": 0, "order": [], "stray": 0, "grads": [None] * len(params)}
-    pending: dict[int, tuple] = {}  # id(ctx) -> (microbatch, x', out'): inner's graph, kept here
+    records: dict[int, dict] = {}  # id(ctx) of each Function node -> its microbatch's record
+    alive: list = []  # the nodes, kept so that no id is reused while the log is read
+    calls = itertools.count()  # one per backward that reaches a Merge: the parts of one call
+    last_part: dict[int, tuple] = {}  # call -> (index in the order, microbatch, part) logged first
     serial = itertools.count()  # forwards are numbered in the order they ran (the schedules run
     # the microbatches' forwards in order 0, 1, ...); a backward names the forward it undoes
-    inside = [False]
+    inside, current = [False], [None]
     anchor = _ZEROS((), requires_grad=True)
 
     def stray(module, args):
@@ -294,7 +306,30 @@ def tracked(inner: nn.Module):
     for module in inner.modules():
         module.register_forward_pre_hook(stray)
 
-    class Counted(torch.autograd.Function):
+    def note(ctx, record) -> None:
+        records[id(ctx)] = record
+        alive.append(ctx)
+
+    def part(ctx, name: str):
+        """The record of a part that runs now, or None (logged with -1) when it ran before."""
+        record = records.get(id(ctx))
+        call = record["call"] if record is not None else -1
+        fresh = record is not None and not record[name]
+        j = record["j"] if fresh else -1
+        first = last_part.get(call)
+        if first is not None and first[1] == j and first[2] != name:
+            log["order"][first[0]] = ("B", j)  # both parts in one call: one whole backward
+        else:
+            log["order"].append(("B" if name == "input" else "W", j))
+            last_part[call] = (len(log["order"]) - 1, j, name)
+        if not fresh:
+            return None
+        record[name] = True
+        if record["input"] and record["weight"]:
+            log["live"] -= 1
+        return record
+
+    class Input(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, _anchor):
             j = next(serial)
@@ -305,7 +340,9 @@ def tracked(inner: nn.Module):
                     out = inner(leaf)
             finally:
                 inside[0] = False
-            pending[id(ctx)] = (j, leaf, out)  # nothing on ctx: out.grad_fn is ctx
+            record = {"j": j, "leaf": leaf, "out": out, "input": False, "weight": False, "call": -1}
+            note(ctx, record)  # nothing on ctx: out.grad_fn leads here
+            current[0] = record
             log["live"] += 1
             log["peak"] = max(log["peak"], log["live"])
             log["order"].append(("F", j))
@@ -313,23 +350,51 @@ def tracked(inner: nn.Module):
 
         @staticmethod
         def backward(ctx, grad):
-            kept = pending.pop(id(ctx), None)
-            if kept is None:  # a second backward of one forward: logged, adds nothing
-                log["order"].append(("B", -1))
+            record = part(ctx, "input")
+            if record is None:
                 return None, None
-            j, leaf, out = kept
-            log["live"] -= 1
-            log["order"].append(("B", j))
-            grads = _GRAD(out, [leaf, *params], grad, allow_unused=True)
-            for i, g in enumerate(grads[1:]):
+            (g,) = _GRAD(record["out"], [record["leaf"]], grad, retain_graph=not record["weight"])
+            return (g if ctx.needs_input_grad[0] else None), None
+
+    class Weight(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, _weights, like):
+            note(ctx, current[0])
+            return _ZEROS(like.shape, dtype=like.dtype)
+
+        @staticmethod
+        def backward(ctx, grad):
+            record = part(ctx, "weight")
+            if record is None:
+                return None, None
+            grads = _GRAD(record["out"], params, grad, retain_graph=not record["input"], allow_unused=True)
+            for i, g in enumerate(grads):
                 if g is not None:
                     total = log["grads"][i]
                     log["grads"][i] = _CLONE(g) if total is None else total + g
-            return (grads[0] if ctx.needs_input_grad[0] else None), None
+            return _ZEROS(()), None
+
+    class Merge(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, a, _b):
+            note(ctx, current[0])
+            return _CLONE(a)
+
+        @staticmethod
+        def backward(ctx, grad):
+            record = records.get(id(ctx))
+            if record is not None:
+                record["call"] = next(calls)
+            return grad, grad
 
     class Tracked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weights = nn.Parameter(_ZEROS(()))  # asks for the weight part; holds nothing
+
         def forward(self, x):
-            return Counted.apply(x, anchor)
+            a = Input.apply(x, anchor)
+            return Merge.apply(a, Weight.apply(self.weights, _DETACH(a)))
 
     return Tracked(), log
 
@@ -381,13 +446,17 @@ def microbatches(spec: dict):
 
 def pipeline(comm, spec: dict) -> dict:
     """Rank r runs stage r of ``make_stages`` with the student's ``run_stage`` and the given
-    schedule (``spec["schedule"]``); its gradients, loss, peaks, order and traffic (per peer, and
-    a copy of every tensor sent)."""
+    schedule (``spec["schedule"]``; None: the student's ``fast_schedule(p, m)``); its gradients,
+    loss, peaks, the order of the work as the grader's stage logged it, and traffic (per peer,
+    and a copy of every tensor sent)."""
     schedule = student("schedule")
     stage, log = tracked(make_stages(spec)[comm.rank])
     xs, ys = microbatches(spec)
     first, last = comm.rank == 0, comm.rank == comm.world_size - 1
-    actions = [(str(kind), int(j)) for kind, j in spec["schedule"][comm.rank]]
+    plan = spec["schedule"]
+    if plan is None:  # the measured test: the student's own schedule, run by the student's step
+        plan = schedule.fast_schedule(comm.world_size, spec["m"])
+    actions = [(str(kind), int(j)) for kind, j in plan[comm.rank]]
 
     def loss_fn(out, target):
         return _CROSS_ENTROPY(out, target)

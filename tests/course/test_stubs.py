@@ -24,6 +24,7 @@ FUNCTIONS = [
     "ring_reduce_scatter",
     "ring_allreduce",
     "butterfly_allreduce",
+    "fast_allreduce",
 ]
 
 
@@ -105,15 +106,22 @@ def test_stub_imports_and_each_function_raises_not_implemented_with_its_task(tmp
 # --- assignment 2: async parameter server and Hogwild -----------------------------------------
 A2 = "a2_async"
 A2_SOLUTION, A2_STUB = ROOT / "solutions" / A2, ROOT / "assignments" / A2
-A2_FUNCTIONS = ["staleness_aware_lr", "run_server", "ps_worker", "hogwild_worker"]
+#: (task, function): the server's learning rate is part of task 1, the server
+A2_TASKS = [
+    (1, "staleness_aware_lr"),
+    (1, "run_server"),
+    (2, "ps_worker"),
+    (3, "hogwild_worker"),
+    (4, "prefetching_worker"),
+]
 
 
 def test_a2_stub_keeps_every_signature_and_docstring():
     solution = public_signatures(A2_SOLUTION / "async_ps.py")
-    assert set(A2_FUNCTIONS) <= set(solution)
+    assert {name for _, name in A2_TASKS} <= set(solution)
     assert public_signatures(A2_STUB / "async_ps.py") == solution
     stub = (A2_STUB / "async_ps.py").read_text()
-    for task, name in enumerate(A2_FUNCTIONS, start=1):
+    for task, name in A2_TASKS:
         assert f'raise NotImplementedError("TODO(task {task}): write {name}")' in stub
 
 
@@ -209,7 +217,7 @@ def test_a4_stub_imports_and_each_part_raises_not_implemented_with_its_task(tmp_
     run_probe(tmp_path, (A4_STUB_PROBE + CALL_EACH) % (A4_TASKS,), A4_STUB)
 
 
-# --- assignment 5: tensor-parallel MLP, the 1F1B schedule and its stage step ------------------
+# --- assignment 5: tensor-parallel MLP, the pipeline schedules and their stage step -----------
 A5 = "a5_model_parallel"
 A5_SOLUTION, A5_STUB = ROOT / "solutions" / A5, ROOT / "assignments" / A5
 A5_FILES = ("tp_layers.py", "schedule.py")
@@ -219,17 +227,18 @@ A5_TASKS = [
     (1, "CopyToTensorParallel.backward"),
     (2, "ReduceFromTensorParallel.forward"),
     (2, "ReduceFromTensorParallel.backward"),
-    (3, "ColumnParallelLinear.__init__"),
-    (3, "ColumnParallelLinear.load_dense"),
-    (3, "ColumnParallelLinear.forward"),
-    (4, "RowParallelLinear.__init__"),
-    (4, "RowParallelLinear.load_dense"),
-    (4, "RowParallelLinear.forward"),
-    (5, "ParallelMLP.__init__"),
-    (5, "ParallelMLP.load_dense"),
-    (5, "ParallelMLP.forward"),
-    (6, "one_f_one_b"),
-    (7, "run_stage"),
+    (1, "ColumnParallelLinear.__init__"),
+    (1, "ColumnParallelLinear.load_dense"),
+    (1, "ColumnParallelLinear.forward"),
+    (2, "RowParallelLinear.__init__"),
+    (2, "RowParallelLinear.load_dense"),
+    (2, "RowParallelLinear.forward"),
+    (3, "ParallelMLP.__init__"),
+    (3, "ParallelMLP.load_dense"),
+    (3, "ParallelMLP.forward"),
+    (4, "one_f_one_b"),
+    (4, "fast_schedule"),
+    (5, "run_stage"),
 ]
 
 
@@ -283,6 +292,7 @@ calls = {
     "ReduceFromTensorParallel.forward": lambda: tp.ReduceFromTensorParallel.forward(ctx, x, comm),
     "ReduceFromTensorParallel.backward": lambda: tp.ReduceFromTensorParallel.backward(ctx, x),
     "one_f_one_b": lambda: schedule.one_f_one_b(2, 2),
+    "fast_schedule": lambda: schedule.fast_schedule(2, 2),
     "run_stage": lambda: schedule.run_stage(nn.Identity(), comm, [("F", 0)], [x], None, None, (2, 4)),
 }
 for cls in ("ColumnParallelLinear", "RowParallelLinear"):

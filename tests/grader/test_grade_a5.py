@@ -199,9 +199,10 @@ def test_the_stage_hides_its_layers_and_reports_only_the_gradients_of_its_own_ba
     inner = workers.make_stages(spec)[1]  # the last stage: Linear, Tanh, Linear
     twin = workers.make_stages(spec)[1]  # the same weights, run in the open
     stage, log = workers.tracked(inner)
-    # nothing the student gets leads to the layers: no submodule, no parameter, no graph edge
-    assert list(stage.parameters()) == [] and list(stage.children()) == []
-    assert not hasattr(stage, "inner")
+    # nothing the student gets leads to the layers: no submodule, no graph edge, and one parameter,
+    # a zero scalar (what a split backward's weight part asks for)
+    assert [tuple(t.shape) for t in stage.parameters()] == [()] and list(stage.children()) == []
+    assert not hasattr(stage, "inner") and not any(stage.parameters())
     x = torch.randn(spec["rows"], spec["width"], requires_grad=True)
     out = stage(x)
     layers = {id(t) for t in inner.parameters()}
@@ -223,6 +224,64 @@ def test_the_stage_hides_its_layers_and_reports_only_the_gradients_of_its_own_ba
     assert log["stray"] == 0
     inner[0](x)
     assert log["stray"] == 1
+
+
+def test_the_stage_splits_a_backward_into_its_input_and_weight_parts():
+    spec = _executor_spec()
+    inner, twin = workers.make_stages(spec)[0], workers.make_stages(spec)[0]
+    stage, log = workers.tracked(inner)
+    x = torch.randn(spec["rows"], spec["width"], requires_grad=True)
+    upstream = torch.randn(spec["rows"], spec["width"])
+    out = stage(x)
+    torch.autograd.backward(out, upstream, inputs=[x], retain_graph=True)  # B: the input's part only
+    assert log["order"] == [("F", 0), ("B", 0)] and log["live"] == 1 and log["grads"][0] is None
+    torch.autograd.backward(out, upstream, inputs=list(stage.parameters()))  # W: the weights' part
+    assert log["order"] == [("F", 0), ("B", 0), ("W", 0)] and log["live"] == 0
+    x_twin = x.detach().clone().requires_grad_()
+    twin(x_twin).backward(upstream)
+    torch.testing.assert_close(x.grad, x_twin.grad)
+    for got, want in zip(log["grads"], twin.parameters()):
+        torch.testing.assert_close(got, want.grad)
+    out = stage(x)
+    out.backward(upstream)  # both parts in one call: one whole backward
+    torch.autograd.backward(out, upstream, inputs=list(stage.parameters()))  # again: adds nothing
+    assert log["order"][3:] == [("F", 1), ("B", 1), ("W", -1)] and log["peak"] == 1
+
+
+def test_emulated_time_of_1f1b_split_and_zero_bubble():
+    p, m = 4, 8
+    split = [
+        [a for kind, j in actions for a in ([("B", j), ("W", j)] if kind == "B" else [(kind, j)])]
+        for actions in reference.one_f_one_b(p, m)
+    ]
+    for schedule, want in (
+        (reference.one_f_one_b(p, m), (m + p - 1) / m),  # the bubble formula's: F = 1, B = 2
+        (reference.gpipe(p, m), (m + p - 1) / m),
+        (split, 1.25),
+        (reference.zero_bubble(p, m), 1 + (p - 1) / (3 * m)),  # the least any schedule takes
+    ):
+        reference.check_executed(schedule, p, m)
+        assert reference.emulated_time(schedule) / reference.ideal_time(m) == pytest.approx(want, abs=1e-12)
+    assert reference.peaks(reference.zero_bubble(p, m)) == [p] * p
+    assert reference.peaks(split) == reference.peaks(reference.one_f_one_b(p, m))
+    tiers = table.FAST_TIERS
+    assert [tiers.outcome(v, 8).fraction for v in (1.125, 1.25, 1.375, 2.0)] == [1.0, 0.5, 0.25, 0.0]
+    out_of_order = [list(a) for a in reference.zero_bubble(p, m)]
+    b = [i for i, (kind, _) in enumerate(out_of_order[1]) if kind == "B"]
+    out_of_order[1][b[0]], out_of_order[1][b[1]] = out_of_order[1][b[1]], out_of_order[1][b[0]]
+    with pytest.raises(AssertionError, match="out of microbatch order"):
+        reference.check_executed(out_of_order, p, m)
+
+
+def test_the_measured_check_refuses_more_than_p_held():
+    spec = next(t for t in assignment.graded_tests(0) if t.tiers is not None).job.args[0]
+    p, m = spec["world_size"], spec["m"]
+    reports = [
+        {"order": [list(a) for a in actions], "measured_peak": peak}
+        for actions, peak in zip(reference.gpipe(p, m), reference.peaks(reference.gpipe(p, m)))
+    ]
+    with pytest.raises(AssertionError, match="the cap is p"):
+        reference.measured_check("m", spec)(reports)
 
 
 def test_the_count_check_refuses_a_second_allreduce_a_wrong_size_and_zeros():

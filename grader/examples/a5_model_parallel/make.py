@@ -27,11 +27,17 @@
 
 Then the red team's six cheats and issue 25's four (the real work done on the layers the
 counting stage wraps, the schedule replayed on the stage), each described at its entry in ``LOST``.
+Each loses the measured test (``test_fast_schedule``) too when it loses every stage step test.
+
+The measured test's own examples (``TIERED``, ``build_tiered_dict``; graded on that test alone,
+``TIERED_NAMES``): the solution's schedule (zero bubble's H1, 1.125x, the top tier), 1F1B with
+every backward split at once (1.25x, half the points), a copy of the library's 1F1B (1.375x, the
+baseline: a quarter) and GPipe (it holds m = 8 > p = 4 microbatches: wrong, nothing).
 
 ``LOST`` lists the hidden tests each one fails; ``EXPECTED`` holds the status and score each
-must get on all the hidden tests (``expected_score`` for a subset). The submissions are generated
-from ``solutions/`` (so they follow the assignment when it changes); nothing here is committed
-but this script.
+must get on all the hidden tests (``expected_score``, ``tiered_score`` for a subset). The
+submissions are generated from ``solutions/`` (so they follow the assignment when it changes);
+nothing here is committed but this script.
 """
 
 from __future__ import annotations
@@ -54,6 +60,10 @@ def _named(*prefixes: str) -> tuple[str, ...]:
 
 
 _RUN_STAGE = _named("test_run_stage[")
+#: the measured test (graded in tiers): the student's fast_schedule run by the student's run_stage
+MEASURED = _named("test_fast_schedule[")
+#: every test that runs the student's run_stage
+_STEP = _RUN_STAGE + MEASURED
 
 #: student -> (status, the hidden tests it loses)
 LOST = {
@@ -68,9 +78,9 @@ LOST = {
             *_named("test_parallel_mlp_equals_dense["),
         ),
     ),
-    "erin": ("ok", _RUN_STAGE),
+    "erin": ("ok", _STEP),
     "frank": ("forbidden", _ALL),
-    "gina": ("ok", _RUN_STAGE),
+    "gina": ("ok", _STEP),
     "hank": (
         "ok",
         _named("test_column_parallel[", "test_parallel_mlp_equals_dense[", "test_mlp_allreduce_count["),
@@ -81,7 +91,16 @@ LOST = {
     "dense_copy": ("ok", _named("test_parallel_mlp_equals_dense[", "test_mlp_allreduce_count[")),
     # GPipe whatever the schedule, then stage.order / stage.peak written to look like it: the
     # counters are no longer on the module (a closure), the grader's own log tells
-    "forged_order": ("ok", ("test_run_stage[2-1f1b]", "test_run_stage[4-1f1b]", "test_run_stage[3-few]")),
+    "forged_order": (
+        "ok",
+        (
+            "test_run_stage[2-1f1b]",
+            "test_run_stage[4-1f1b]",
+            "test_run_stage[3-few]",
+            "test_run_stage[4-split]",
+        )
+        + MEASURED,
+    ),
     # the grader's frames (and its whole model) through a traceback: refused at intake
     "frame_walk": ("forbidden", _ALL),
     # a module written at run time (here: its own code; a copy of the library's file in the
@@ -94,24 +113,24 @@ LOST = {
     # the counters reset and the traffic padded with zeros of the right size (the red team used
     # it to hide a run without communication): reset_stats raises on the grader's communicator, and
     # every tensor sent is compared with the activation / gradient of its microbatch
-    "padded_traffic": ("ok", _RUN_STAGE),
+    "padded_traffic": ("ok", _STEP),
     # --- issue 25: the real work done on layers the stage does not count, then the schedule
     # replayed on the stage. Each looks for the layers its own way and falls back on the stage
     # itself when it finds none (the stage has no submodule or parameter now): the fallback's
     # work is counted, so its order is GPipe's and then the schedule's, and it loses every stage
     # step test (the GPipe one included: the schedule ran twice). Each scored 54/54 before.
     # the issue's: GPipe on ``stage.inner``, the schedule replayed on the stage with zero gradients
-    "inner_replay": ("ok", _RUN_STAGE),
+    "inner_replay": ("ok", _STEP),
     # the same, the layers found through ``stage.modules()``
-    "modules_replay": ("ok", _RUN_STAGE),
+    "modules_replay": ("ok", _STEP),
     # GPipe through the stage's parameters (``stage.named_parameters()``) with
     # ``torch.func.functional_call`` on a copy of the layers' shapes, then the zero replay: now it
     # finds no parameter, its copy's own weights give other activations, and the replay adds zeros
-    "functional_replay": ("ok", _RUN_STAGE),
+    "functional_replay": ("ok", _STEP),
     # GPipe on the layers found through ``stage.children()``, keeping every input and every
     # gradient received; then the schedule replayed on the stage with the real gradients (the
     # right gradients, order and peak, from an uncounted pass's messages)
-    "kept_replay": ("ok", _RUN_STAGE),
+    "kept_replay": ("ok", _STEP),
     # the library's schedules read by torch.from_file and run through torch.package: refused at
     # intake (both), and at run time the guard refuses from_file and compiling the string; inside
     # the sandbox the file is a stand-in anyway (38/54 before the issue, for tensor.py and pipeline.py)
@@ -126,8 +145,30 @@ def expected_score(student: str, tests: list[str] | None = None) -> float:
     return sum(points[name] for name in tests if name not in LOST[student][1])
 
 
+#: the measured test's examples, graded on it alone (``TIERED_NAMES``): student -> (status, the
+#: fraction of its points earned). Each is the solution with another ``fast_schedule``.
+TIERED = {
+    "alice": ("ok", 1.0),  # zero bubble's H1: Ws held back, 1 + (p-1)/(3m) = 1.125x, the top tier
+    "split_at_once": ("ok", 0.5),  # 1F1B with every backward split, each W right after its B: 1.25x
+    "library_copy": ("ok", 0.25),  # a copy of the library's 1F1B: 1 + (p-1)/m = 1.375x, the baseline
+    "over_cap": ("ok", 0.0),  # GPipe: as fast as 1F1B, but holds m = 8 > p = 4 (wrong: no points)
+}
+#: the measured value each reaches (the leaderboard's column), None when wrong
+TIERED_VALUES = {"alice": 1.125, "split_at_once": 1.25, "library_copy": 1.375, "over_cap": None}
+TIERED_NAMES = list(MEASURED)
+
+
+def tiered_score(student: str, tests: list[str] | None = None) -> float:
+    """The points a ``TIERED`` student must get on ``tests`` (default: every hidden test)."""
+    points = {t.name: t.points for t in ASSIGNMENT.graded_tests(0)}
+    tests = list(points) if tests is None else tests
+    fraction = TIERED[student][1]
+    return sum(points[name] * (fraction if name in MEASURED else 1.0) for name in tests)
+
+
 #: student -> (status, score on every hidden test)
 EXPECTED = {student: (status, expected_score(student)) for student, (status, _) in LOST.items()}
+EXPECTED.update({student: (status, tiered_score(student)) for student, (status, _) in TIERED.items()})
 
 
 def replace_region(source: str, begin: str, body: str) -> str:
@@ -353,7 +394,7 @@ KEPT_REPLAY = """    rank, p = comm.rank, comm.world_size
 
 def build_dict() -> dict[str, dict[str, bytes]]:
     layers, schedule = (FOLDER / "tp_layers.py").read_text(), (FOLDER / "schedule.py").read_text()
-    bob = replace_region(schedule, "    ### BEGIN SOLUTION TODO(task 6): write one_f_one_b\n", GPIPE_BODY)
+    bob = replace_region(schedule, "    ### BEGIN SOLUTION TODO(task 4): write one_f_one_b\n", GPIPE_BODY)
     carol = replace_region(
         layers, "        ### BEGIN SOLUTION TODO(task 1): write CopyToTensorParallel.forward\n", AVERAGING_F
     )
@@ -363,7 +404,7 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         "        return out + self.bias if self.bias is not None else out\n",
         "        return reduce_from_tensor_parallel(F.linear(x, self.weight, self.bias), self.comm)\n",
     )
-    erin = edit(schedule, "                kept[j] = (x, loss)\n", "")
+    erin = edit(schedule, "                kept[j] = [x, loss / m, None]\n", "")
     gina = edit(
         schedule,
         "                comm.send(out.detach().contiguous(), dst=rank + 1)\n",
@@ -381,25 +422,25 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         "        out = F.linear(x, self.weight, self.bias)\n",
     )
     dense_copy = edit(layers, "class ParallelMLP(nn.Module):", DENSE_DUMMY)
-    init = "        ### BEGIN SOLUTION TODO(task 5): write ParallelMLP.__init__\n"
+    init = "        ### BEGIN SOLUTION TODO(task 3): write ParallelMLP.__init__\n"
     dense_copy = edit(dense_copy, init, init + "        self.comm = comm\n")
     dense_copy = replace_region(
-        dense_copy, "        ### BEGIN SOLUTION TODO(task 5): write ParallelMLP.load_dense\n", DENSE_LOAD
+        dense_copy, "        ### BEGIN SOLUTION TODO(task 3): write ParallelMLP.load_dense\n", DENSE_LOAD
     )
     dense_copy = replace_region(
-        dense_copy, "        ### BEGIN SOLUTION TODO(task 5): write ParallelMLP.forward\n", DENSE_FORWARD
+        dense_copy, "        ### BEGIN SOLUTION TODO(task 3): write ParallelMLP.forward\n", DENSE_FORWARD
     )
     forged_order = replace_region(
-        schedule, "    ### BEGIN SOLUTION TODO(task 7): write run_stage\n", FORGED_ORDER
+        schedule, "    ### BEGIN SOLUTION TODO(task 5): write run_stage\n", FORGED_ORDER
     )
-    task6 = "    ### BEGIN SOLUTION TODO(task 6): write one_f_one_b\n"
+    task6 = "    ### BEGIN SOLUTION TODO(task 4): write one_f_one_b\n"
     frame_walk = edit(schedule, task6, task6 + FRAME_WALK)
     late_module = edit(schedule, task6, task6 + LATE_MODULE)
     dirfd_read = edit(schedule, task6, task6 + DIRFD_READ)
     padded_traffic = edit(
         schedule, "                comm.send(x.grad.contiguous(), dst=rank - 1)\n", PADDED_TRAFFIC
     )
-    task7 = "    ### BEGIN SOLUTION TODO(task 7): write run_stage\n"
+    task7 = "    ### BEGIN SOLUTION TODO(task 5): write run_stage\n"
     inner_replay = replace_region(schedule, task7, REPLAY.format(find=FIND_INNER))
     modules_replay = replace_region(schedule, task7, REPLAY.format(find=FIND_MODULES))
     functional_replay = replace_region(schedule, task7, REPLAY.format(find=FIND_FUNCTIONAL))
@@ -430,8 +471,42 @@ def build_dict() -> dict[str, dict[str, bytes]]:
     return {name: {FILES[0]: tp.encode(), FILES[1]: sc.encode()} for name, (tp, sc) in both.items()}
 
 
+#: the library's 1F1B (``minidist.parallel.pipeline.one_f_one_b``), copied as a student would
+LIBRARY_COPY = """    schedule = []
+    for r in range(stages):
+        warmup = min(stages - 1 - r, microbatches)
+        actions: list[Action] = [("F", i) for i in range(warmup)]
+        for i in range(microbatches - warmup):  # steady state: one forward, one backward
+            actions += [("F", warmup + i), ("B", i)]
+        actions += [("B", i) for i in range(microbatches - warmup, microbatches)]  # cool-down
+        schedule.append(actions)
+    return schedule
+"""
+#: 1F1B with every backward split in two, the weight part at once (nothing held back)
+SPLIT_AT_ONCE = """    schedule = []
+    for actions in one_f_one_b(stages, microbatches):
+        split = []
+        for kind, j in actions:
+            split += [("B", j), ("W", j)] if kind == "B" else [(kind, j)]
+        schedule.append(split)
+    return schedule
+"""
+OVER_CAP = "    return gpipe(stages, microbatches)\n"
+
+
+def build_tiered_dict() -> dict[str, dict[str, bytes]]:
+    layers, schedule = (FOLDER / "tp_layers.py").read_text(), (FOLDER / "schedule.py").read_text()
+    fast = "    ### BEGIN SOLUTION TODO(task 4): write fast_schedule\n"
+    bodies = {"split_at_once": SPLIT_AT_ONCE, "library_copy": LIBRARY_COPY, "over_cap": OVER_CAP}
+    students = {"alice": schedule} | {
+        name: replace_region(schedule, fast, body) for name, body in bodies.items()
+    }
+    assert list(students) == list(TIERED)
+    return {name: {FILES[0]: layers.encode(), FILES[1]: sc.encode()} for name, sc in students.items()}
+
+
 def build(out: Path) -> list[Path]:
-    return write(out, build_dict())
+    return write(out, build_dict() | build_tiered_dict())
 
 
 def main() -> None:
