@@ -23,11 +23,12 @@ SIMILAR_TO = ("lib/minidist/collectives/*.py",)
 GIVEN_FUNCTIONS = ("chunk_offsets", "exchange")
 
 HINTS = {
-    "tree_broadcast": "Number ranks relative to the source (vrank); in round k ranks below 2**k send.",
-    "ring_allgather": "Copy your own tensor into out[rank]; step s sends block (rank - s) % p right.",
-    "ring_reduce_scatter": "Check dim 0 first; receive into a scratch row and add it to the block.",
-    "ring_allreduce": "Work on a flat contiguous copy; reduce-scatter then allgather over chunk_offsets.",
-    "butterfly_allreduce": "Fold the first 2 * (p - p2) ranks in and out; pair vrank with vrank ^ distance.",
+    "tree_broadcast": "Counted from the source, which ranks hold the data in round k? Whom do they send to?",
+    "ring_allgather": "Which input does rank r pass on at step s, so that it already holds it?",
+    "ring_reduce_scatter": "Is dim 0 checked before any message? Where does a received partial sum go?",
+    "ring_allreduce": "Chunks of unequal or zero size? A non-contiguous input? Which chunk at which step?",
+    "butterfly_allreduce": "Which ranks fold in and out when p is not a power of two? Who is whose partner?",
+    "fast_allreduce": "Which algorithm is fastest at this size on the link model, and do all ranks agree?",
 }
 
 _EXPECTED_VALUE = re.compile(r"(element \([^)]*\) is [^,]+), expected [^(]+\(")
