@@ -2,42 +2,46 @@
 
 Every rank holds the whole model and trains on its own part of the batch. After backward,
 every gradient must be the average over the ranks -- then every rank takes the same optimizer
-step and the replicas stay equal, as if one process had trained on the whole batch. You write
-the function ``assign_buckets`` and four methods of ``BucketedDDP``:
+step and the replicas stay equal, as if one process had trained on the whole batch. Lecture 5
+(sections 3 to 5) builds this design; Li et al. (2020), "PyTorch Distributed: experiences on
+accelerating data parallel training", sections 3 and 4, is the paper behind it. You write:
 
-=====  ================================  ==================================================
-task   where                             what it does
-=====  ================================  ==================================================
-1      ``assign_buckets`` (a function)   group the parameters into buckets of at most
-                                         ``bucket_mb`` MiB, in the order backward makes
-                                         their gradients (reverse registration order)
-2      ``BucketedDDP._on_gradient_ready``  a parameter's gradient is ready: copy it into its
-       and ``BucketedDDP._launch``       bucket's flat buffer; the bucket's last one
-                                         launches the bucket's asynchronous allreduce
-                                         (``_launch``: the span, then the allreduce)
-3      ``BucketedDDP._finish_backward``  when backward ends: wait for every bucket, divide
-                                         by the number of ranks, write the gradients back
-4      ``BucketedDDP.no_sync``           a context in which backward only accumulates
-=====  ================================  ==================================================
+=====  ====================================  ==============================================
+task   where                                 what it is for
+=====  ====================================  ==============================================
+1      ``assign_buckets``                    which parameters share one allreduce
+2      ``_on_gradient_ready``, ``_launch``,  the gradient hook: buckets leave, in bucket
+       ``no_sync``                           order, while backward still computes
+3      ``_finish_backward``                  the end of backward: averaged gradients in
+                                             ``.grad``, unused parameters handled
+4      ``tuned_bucket_mb``                   a bucket cap for a given model and link,
+                                             graded on its emulated step time (in tiers)
+=====  ====================================  ==============================================
 
-Why buckets, and why overlap. One allreduce per parameter pays the latency of a collective
-hundreds of times; one allreduce of everything after backward leaves the network idle while
-backward computes and the processor idle while the network works. Buckets of about a MiB,
-launched the moment their last gradient is ready, do both: few collectives, and the
-communication of the late layers' gradients runs while backward computes the early layers'::
+**The two rules**, the same as lecture 5's and the library's (``minidist.parallel``):
 
-    backward   | grads of layer 4,3 | grads of layer 2,1 | grads of layer 0 |
-    comm thread|                    |[allreduce bucket 0]|[allreduce bucket 1]|[bucket 2]|
-                                                                  wait, / p, write back ^
+* *Buckets.* Take the trainable parameters in reverse registration order (roughly the order in
+  which backward produces their gradients); each joins the open bucket, and a bucket is closed
+  as soon as it holds **at least** the cap, or before a parameter of another dtype (a flat
+  buffer has one). The rest at the end is the last bucket. This is PyTorch's rule (Li et al.,
+  section 3.2.2; ``compute_bucket_assignment_by_size`` in its code): every bucket but the last
+  carries at least the cap, so a step makes at most ``bytes / cap + 1`` allreduces and pays the
+  latency that often; a tensor larger than the cap needs no special case; ``cap = 0`` gives one
+  bucket per parameter, an infinite cap one bucket.
+* *Launch order.* Buckets are launched **strictly in bucket order**: bucket k only after buckets
+  0..k-1, each as soon as it and all before it are complete. A bucket that completes early waits
+  for the ones before it (Li et al., section 3.2.3). Every rank must issue its collectives in
+  the same order (lecture 2), and autograd's order of gradients may differ between ranks;
+  bucket order never does.
 
 The library's asynchronous allreduce does the communication:
-``work = md.allreduce(comm, flat, op="sum", async_op=True)`` returns at once; the allreduce
-runs on the communicator's communication thread, and ``work.wait()`` returns when ``flat``
-holds the sum over the ranks. Every rank must launch its buckets in the same order (they do:
-every rank runs the same backward).
-Communicate with ``md.allreduce`` only: the grader counts its calls (one per bucket per
-step) and notes when each one starts, so the library's own DDP and bucket helpers
-(``minidist.parallel``) and ``torch.distributed`` are refused.
+``work = md.allreduce(comm, flat, op="sum", async_op=True)`` returns a handle at once; the
+allreduce runs on the communicator's communication thread, ``work.wait()`` returns when
+``flat`` holds the sum over the ranks, and ``work.add_done_callback(fn)`` calls ``fn(work)``
+when it completes (in the thread that completed it). Communicate with ``md.allreduce`` only:
+the grader logs its calls (one per bucket per step, each carrying its bucket's gradient) and
+when each one starts, so the library's own DDP and bucket helpers (``minidist.parallel``) and
+``torch.distributed`` are refused.
 
 **Unused parameters.** A parameter that takes no part in the forward pass gets no gradient,
 so its hook never runs and its bucket would never be complete. With
@@ -54,6 +58,7 @@ Run the public tests from this folder (``grep -n "TODO(task" ddp.py``: what is l
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -69,6 +74,7 @@ __all__ = [
     "assign_buckets",
     "broadcast_parameters",
     "call_when_backward_ends",
+    "tuned_bucket_mb",
 ]
 
 MIB = 1 << 20  # bytes in a MiB: bucket_mb=1.0 means buckets of at most 1,048,576 bytes
@@ -145,24 +151,24 @@ class Bucket:
 
 # --- task 1 ----------------------------------------------------------------------------------
 def assign_buckets(named_parameters: list[tuple[str, nn.Parameter]], bucket_mb: float) -> list[list[str]]:
-    """Group parameters into buckets, in the order backward produces their gradients.
+    """The buckets, bucket 0 first, as lists of parameter names, by the bucket rule above.
 
     ``named_parameters`` is in registration order (``list(module.named_parameters())``; it
     may name one parameter object twice -- tied weights -- as
-    ``module.named_parameters(remove_duplicate=False)`` does). Returns lists of names:
+    ``module.named_parameters(remove_duplicate=False)`` does). Only parameters with
+    ``requires_grad`` are communicated, each parameter object once, under the first name it is
+    listed with. The cap is ``bucket_mb * MIB`` bytes (a tensor's bytes: ``numel *
+    element_size``). No empty buckets.
 
-    * only parameters with ``requires_grad`` (frozen ones are never communicated);
-    * every parameter object once, under the first name it is listed with;
-    * in **reverse** order: backward reaches the last layers first;
-    * greedy: walk that order, and close the current bucket when adding the next parameter
-      would take it over ``bucket_mb * MIB`` bytes (``numel * element_size``). A parameter
-      bigger than that on its own gets a bucket of its own. No empty buckets.
+    Example, a cap of 1000 bytes, parameters a, b, c, d of 400, 400, 300, 1200 bytes:
+    [[d], [c, b, a]] (d alone reaches the cap; c + b = 700 does not, c + b + a = 1100 does).
 
-    Example, bucket_mb for 1000 bytes, parameters a, b, c, d of 400, 400, 300, 1200 bytes:
-    reversed d, c, b, a -> [[d], [c, b], [a]] (d alone is over; c + b = 700; + a = 1100 is over).
+    Cost: once, when the DDP is built; but it fixes how many allreduces every step makes, each
+    paying the latency of a collective, and how early each can start (lecture 5, section 4).
+    Read: lecture 5, Try it 2 (the same rule); Li et al. (2020), section 3.2.2.
     """
-    # TODO(task 1): drop frozen parameters and repeated objects (compare them with `is`, or
-    # by id()), reverse, then fill buckets greedily.
+    # TODO(task 1): How do you tell a tied weight's second name from a new parameter? Which
+    # order does backward produce gradients in? When is a bucket closed, and what else closes it?
     raise NotImplementedError("TODO(task 1): write assign_buckets")
 
 
@@ -179,8 +185,10 @@ class BucketedDDP:
     ``comm``: this rank's communicator. ``recorder``: None, or a ``minidist.trace.Recorder``
     (only its ``begin`` and ``end`` are used; the grader's recorder has nothing else); then
     every bucket's allreduce is recorded as a span named ``"allreduce bucket <index>"``
-    (``cat="comm"``, ``bytes=`` the bucket's bytes), begun when it is launched and ended when
-    its ``wait()`` returns.
+    (``cat="comm"``, ``bytes=`` the bucket's bytes) that begins when the allreduce is launched
+    and ends when it **completes** -- not when someone gets round to ``wait()`` for it, so that
+    the trace shows how much communication really ran inside backward (``_end_span``, given,
+    ends a bucket's span once, whichever thread calls it first).
 
     Cost per step: one allreduce per bucket (``len(self.buckets)`` of them), the gradients'
     bytes in all; the copies into and out of the flat buffers; nothing inside ``no_sync``.
@@ -194,14 +202,16 @@ class BucketedDDP:
         find_unused_parameters: bool = False,
         recorder=None,
     ) -> None:
-        if bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be positive, got {bucket_mb}")
+        if not bucket_mb >= 0:
+            raise ValueError(f"bucket_mb must be >= 0, got {bucket_mb}")
         self.module = module
         self.comm = comm
         self.find_unused_parameters = find_unused_parameters
         self.recorder = recorder
         self._synchronizing = True  # False inside no_sync(): backward only accumulates
         self._finish_queued = False  # the end-of-backward callback is queued for this backward
+        self._next_launch = 0  # the index of the next bucket to launch in this backward
+        self._span_lock = threading.Lock()  # _end_span runs on two threads
         broadcast_parameters(module, comm)
         by_name = dict(module.named_parameters())
         #: the buckets as lists of parameter names, in launch order (task 1's answer)
@@ -225,46 +235,44 @@ class BucketedDDP:
         """The wrapped module's parameters (for the optimizer)."""
         return self.module.parameters()
 
+    def _end_span(self, bucket: Bucket) -> None:
+        """End the bucket's span (with a recorder), once: the first call ends it, later calls
+        do nothing. Safe to call from the communication thread and the training thread."""
+        with self._span_lock:
+            token, bucket.span = bucket.span, None
+        if token is not None and self.recorder is not None:
+            self.recorder.end(token)
+
     # --- task 2 ------------------------------------------------------------------------------
     def _on_gradient_ready(self, param: nn.Parameter) -> None:
         """Autograd calls this once per backward per parameter, when ``param.grad`` is final.
 
-        ``param.grad`` then holds everything accumulated since the last ``zero_grad`` (inside
-        ``no_sync``, several backward passes' worth). Copy it into the bucket's slot, and when
-        it was the bucket's last awaited gradient, launch the bucket's allreduce
-        (``md.allreduce(self.comm, bucket.flat, op="sum", async_op=True)``; keep the handle in
-        ``bucket.work``) and, with a recorder, begin its span. The first call of a backward
-        also arranges for ``_finish_backward`` to run when backward ends.
+        Contract: the gradient lands in its bucket's slot of ``flat`` (``Bucket.slot``); every
+        bucket that may leave by the launch-order rule leaves now, from this hook, not later;
+        inside ``no_sync`` nothing is copied or sent; the first call of a backward arranges for
+        ``_finish_backward`` to run when backward ends (``call_when_backward_ends``, once per
+        backward). ``param.grad`` holds everything accumulated since the last ``zero_grad``.
+
+        Cost: one copy of the gradient; no waiting (the hook runs on backward's thread, and
+        every moment spent here is a moment backward stands still).
+        Read: lecture 5, section 3 ("buckets and hooks") and section 4; Li et al., section 3.2.3.
         """
-        # TODO(task 2): return at once inside no_sync (self._synchronizing is False); queue
-        # self._finish_backward with call_when_backward_ends once per backward
-        # (self._finish_queued); copy the gradient into bucket.slot(position); when
-        # bucket.waiting is empty, launch (self._launch, below, is yours to write too).
+        # TODO(task 2): Which state tells you a bucket is complete, and which one may leave now
+        # if an earlier bucket is still waiting? What must a backward inside no_sync skip?
         raise NotImplementedError("TODO(task 2): write _on_gradient_ready")
 
     def _launch(self, bucket: Bucket) -> None:
-        """Begin the bucket's span (with a recorder) and start its asynchronous allreduce."""
-        # TODO(task 2): self.recorder.begin(f"allreduce bucket {bucket.index}", cat="comm",
-        # bytes=bucket.nbytes) returns the token to end later; then the async allreduce.
+        """Start the bucket's asynchronous sum-allreduce of ``bucket.flat`` (the handle in
+        ``bucket.work``) and, with a recorder, its span: from now until the allreduce completes.
+
+        Contract: returns at once; buckets are launched in bucket order only
+        (``self._next_launch`` is the next one's index); ``bucket.span`` holds the recorder's
+        token. Cost: one ``md.allreduce`` of ``bucket.nbytes``.
+        """
+        # TODO(task 2): Which handle method tells you when the allreduce has completed, and in
+        # which thread does it run what you give it?
         raise NotImplementedError("TODO(task 2): write _launch")
 
-    # --- task 3 ------------------------------------------------------------------------------
-    def _finish_backward(self) -> None:
-        """When backward ends: every gradient averaged over the ranks, written back to ``.grad``.
-
-        1. Buckets not launched yet have parameters that got no gradient in this backward.
-           With ``find_unused_parameters`` zero their slots and launch them, in bucket order;
-           without it, raise a ``RuntimeError`` naming those parameters and saying to pass
-           ``find_unused_parameters=True``.
-        2. For every bucket in order: ``wait()``, divide ``flat`` by the number of ranks, end
-           the span, and copy each parameter's slot into its ``.grad`` -- except parameters
-           whose ``.grad`` is None (unused: they stay None).
-        3. Reset every bucket for the next backward, and ``self._finish_queued``.
-        """
-        # TODO(task 3): steps 1-3 above. A parameter still in bucket.waiting got no gradient.
-        raise NotImplementedError("TODO(task 3): write _finish_backward")
-
-    # --- task 4 ------------------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Inside ``with ddp.no_sync():`` backward only accumulates local gradients.
@@ -272,7 +280,65 @@ class BucketedDDP:
         Gradient accumulation: run ``k - 1`` micro-batches inside ``no_sync``, the last one
         outside; its backward communicates the sum of all ``k`` (``.grad`` accumulates), so a
         step costs one allreduce per bucket instead of ``k``. Leaving the context (also by an
-        exception) turns synchronisation back on.
+        exception) turns synchronisation back on. Read: lecture 5, section 5.
         """
-        # TODO(task 4): switch self._synchronizing off for the body of the with-statement.
-        raise NotImplementedError("TODO(task 4): write no_sync")
+        # TODO(task 2): What does your hook read to know it is inside no_sync, and what if the
+        # body raises?
+        raise NotImplementedError("TODO(task 2): write no_sync")
+
+    # --- task 3 ------------------------------------------------------------------------------
+    def _finish_backward(self) -> None:
+        """When backward ends: every gradient averaged over the ranks, written back to ``.grad``.
+
+        Contract: buckets not launched yet (a parameter in ``bucket.waiting`` got no gradient in
+        this backward) are launched in bucket order with zeros for the missing gradients when
+        ``find_unused_parameters`` is set; without it, a ``RuntimeError`` names those parameters
+        and says to pass ``find_unused_parameters=True`` (and leaves nothing in flight). Then
+        every parameter that has a ``.grad`` holds the average over the ranks; unused ones keep
+        ``grad = None``; every bucket is ready for the next backward, and so is the DDP.
+
+        Cost: the wait for the allreduces still in flight (the only communication a step cannot
+        hide), one division and one copy per bucket.
+        Read: lecture 5, sections 3 and 6; Li et al., section 3.2.3 (globally unused parameters).
+        """
+        # TODO(task 3): Which buckets can still be unlaunched here, and in which order may they
+        # go? What state must be reset, also when you raise?
+        raise NotImplementedError("TODO(task 3): write _finish_backward")
+
+
+# --- task 4 ----------------------------------------------------------------------------------
+def tuned_bucket_mb(
+    named_parameters: list[tuple[str, nn.Parameter]],
+    forward_s: float,
+    backward_s: dict[str, float],
+    alpha_s: float,
+    bandwidth_Bps: float,
+    world_size: int,
+) -> float:
+    """The bucket cap (``bucket_mb``) for this model on this link: the measured task.
+
+    The grader builds your ``BucketedDDP`` with the cap you return and times a step on the
+    emulated clock of lecture 5 (section 3): the forward takes ``forward_s``; backward
+    computes the parameters' gradients in reverse registration order, ``backward_s[name]``
+    seconds each; one link per rank carries one message at a time, and a ring allreduce of
+    ``n`` bytes takes ``2(p-1) alpha + 2(p-1)/p * n / bandwidth`` (lecture 2). Each allreduce
+    starts at the moment your code launched it (the grader notes that moment among the
+    gradients' arrivals) or when the link is free, whichever is later; wherever your code waits
+    for a handle, backward waits as long. The step ends when backward has ended and the last
+    allreduce has completed. Graded in tiers: that step time
+    over the lower bound ``max(forward + backward, one allreduce of the whole gradient)``:
+    1.05x or less earns full points, 1.25x half, 1.5x a quarter. The library's DDP with its
+    default cap, 1 MiB, reaches 1.23x on the grader's model.
+
+    Arguments: ``named_parameters`` in registration order (the model's, float32, all
+    trainable), ``alpha_s`` and ``bandwidth_Bps`` the link's, ``world_size`` the number of
+    ranks. Returns a cap in MiB (``>= 0``, finite). The grader's model is ``a3_trace.timed_model``
+    (the notebook, section 6): a 12-block transformer of width 64 on 524,288 tokens per GPU and
+    step, 2 ranks, 1 Gbit/s with ``alpha_s = 50e-6``.
+
+    Cost: what you like, within a second (it runs once, before training).
+    Read: lecture 5, section 4 ("How big should a bucket be?": the prediction and the sweep).
+    """
+    # TODO(task 4): What does a cap that is too small cost on this link, and one that is too
+    # large? Can you predict a step's time for a given cap before running it, as lecture 5 does?
+    raise NotImplementedError("TODO(task 4): write tuned_bucket_mb")

@@ -15,11 +15,16 @@ layer; on 2 and 3 ranks, on the "shm" and "pipe" transports.
   logged by the grader's wrapper of ``md.allreduce``, compared with the rank's local gradients
   recomputed on the trusted side), no other collective or point-to-point message, and the
   transport's own byte and message count equal to the allreduces' (task 2);
-* overlap: every allreduce asynchronous, and each bucket's allreduce launched before the next
-  gradient after its last one (the last bucket: before backward ends) -- the order of events
-  noted by the grader's own hooks, which run before the student's (task 2);
+* overlap: every allreduce asynchronous, the buckets launched strictly in bucket order, each
+  before the next gradient after the moment it and the buckets before it are complete (the last
+  bucket: before backward ends) -- the order of events noted by the grader's own hooks, which
+  run before the student's (task 2);
 * the recorder gets one span per bucket, within backward (tasks 2 and 3);
-* ``no_sync``: 3 micro-batches per step, the same as one process, no allreduce inside (task 4).
+* ``no_sync``: 3 micro-batches per step, the same as one process, no allreduce inside (task 2);
+* measured, in tiers (task 4): ``tuned_bucket_mb`` picks the cap for a timed 12-block model
+  (``workers.timed_layout``) on 2 ranks over a 1 Gbit/s link; the student's DDP trains it with
+  that cap; the trusted side replays the step on the emulated clock from the grader's records
+  (``reference.emulated_step``) and returns its time over max(compute, communication).
 
 The tests of tasks 2-4 hold the communication to the student's own buckets (``ddp.buckets``)
 when they are a partition of the trainable parameters within ``bucket_mb``: the bucket rule is
@@ -35,12 +40,35 @@ from __future__ import annotations
 import random
 
 from grader.assignment import Case
+from grader.tiers import Tiers
 
 from . import reference as ref
 
-TASKS = {"assign_buckets": 1, "_on_gradient_ready": 2, "_launch": 2, "_finish_backward": 3, "no_sync": 4}
+TASKS = {
+    "assign_buckets": 1,
+    "_on_gradient_ready": 2,
+    "_launch": 2,
+    "no_sync": 2,
+    "_finish_backward": 3,
+    "tuned_bucket_mb": 4,
+}
 #: bucket sizes that cut each model into several buckets (double precision: 8 bytes an element)
-BUCKET_MB = {"deep": 0.01, "frozen": 0.01, "unused": 0.01, "tied": 4096 / ref.MIB, "mixed": 4096 / ref.MIB}
+BUCKET_MB = {
+    "deep": 0.004,
+    "frozen": 0.004,
+    "unused": 0.004,
+    "tied": 2048 / ref.MIB,
+    "mixed": 2048 / ref.MIB,
+    "timed": 1.0,  # the measured test: replaced by what tuned_bucket_mb returns
+}
+#: the measured test, graded in tiers: emulated step time over max(compute, communication)
+STEP_TIME_TIERS = Tiers(
+    quantity="emulated step time / max(compute, communication)",
+    unit="x",
+    levels=((1.05, 1.0), (1.25, 0.5), (1.5, 0.25)),
+    lower_is_better=True,
+    baseline="the library's DDP with its default cap (bucket_mb=1.0): 1.23x",
+)
 
 
 def spec(seed: int, base: int, model: str, ranks: int, **extra) -> dict:
@@ -61,7 +89,7 @@ def bucket_cases(seed: int) -> list[dict]:
     """Parameter lists for ``assign_buckets``: fixed corner cases and seeded random ones."""
     kib = 1024 / ref.MIB
     cases = [
-        # the docstring's example in float32: 400, 400, 300, 1200 bytes, limit 1000
+        # the docstring's example in float32: 400, 400, 300, 1200 bytes, cap 1000
         {
             "params": [
                 ["a", [100], False, "float32"],
@@ -71,7 +99,8 @@ def bucket_cases(seed: int) -> list[dict]:
             ],
             "bucket_mb": 1000 / ref.MIB,
         },
-        # exactly full buckets stay one bucket; a frozen one is skipped; a tied one counted once
+        # a bucket that reaches the cap exactly is closed; a frozen one is skipped; a tied one
+        # counted once
         {
             "params": [
                 ["emb", [16, 8], False, "float32"],
@@ -82,13 +111,23 @@ def bucket_cases(seed: int) -> list[dict]:
             ],
             "bucket_mb": 512 / ref.MIB,
         },
-        # every parameter over the limit: one bucket each; float64 counts 8 bytes
+        # every parameter over the cap: one bucket each; float64 counts 8 bytes
         {
             "params": [["x", [40], False, "float64"], ["y", [50], False, "float64"]],
             "bucket_mb": 100 / ref.MIB,
         },
         # everything frozen: no bucket
         {"params": [["x", [4], True, "float32"]], "bucket_mb": 1.0},
+        # another dtype closes the open bucket (a flat buffer has one); a zero cap: one each
+        {
+            "params": [
+                ["a", [4], False, "float64"],
+                ["b", [4], False, "float32"],
+                ["c", [4], False, "float32"],
+            ],
+            "bucket_mb": 1.0,
+        },
+        {"params": [["a", [4], False, "float32"], ["b", [2], False, "float32"]], "bucket_mb": 0.0},
     ]
     rng = random.Random(seed)
     for _ in range(4):
@@ -147,4 +186,20 @@ def cases(seed: int) -> list[Case]:
         s = spec(seed, 40 + base, model, ranks, accumulate=3)
         name = f"test_no_sync_accumulates[{model}-{ranks}-{transport}]"
         train(name, 3, "no_sync", s, transport, ref.no_sync_check)
+    # measured: the seed changes the data only; the model, the link and so the value are fixed
+    s = {**spec(seed, 50, "timed", 2), "steps": 1, "transport": "shm"}
+    what = "the timed model on 2 ranks over the emulated 1 Gbit/s link"
+    out.append(
+        Case(
+            "test_step_time[timed-2-1gbit]",
+            6,
+            "tuned_bucket_mb",
+            "tuned",
+            2,
+            [s],
+            ref.step_time_check(what, s),
+            "shm",
+            tiers=STEP_TIME_TIERS,
+        )
+    )
     return out

@@ -30,14 +30,20 @@ GIVEN_FUNCTIONS = (  # methods as ``Class.method``, the names grader/similarity.
     "BucketedDDP.__init__",
     "BucketedDDP.__call__",
     "BucketedDDP.parameters",
+    "BucketedDDP._end_span",
 )
 
 HINTS = {
-    "assign_buckets": "Trainable parameters once each, reversed; close a bucket before it goes over.",
-    "_on_gradient_ready": "Copy param.grad into its slot; a bucket's last gradient launches its allreduce.",
-    "_launch": "recorder.begin(...) at the launch, recorder.end(token) when wait() returns.",
-    "_finish_backward": "Launch what is left (unused: zeros); wait in order, divide by p, copy back.",
-    "no_sync": "A flag the hook reads; restore it in a finally block.",
+    "assign_buckets": "When is a bucket closed: before it would pass the cap, or once it holds at least "
+    "the cap? And what else closes it?",
+    "_on_gradient_ready": "Which buckets may leave when this gradient completes one, if an earlier bucket is "
+    "still waiting? What does a backward inside no_sync send?",
+    "_launch": "When does your span end: when someone waits, or when the allreduce completes? Who tells you?",
+    "_finish_backward": "Which buckets can still be unlaunched when backward ends, in which order may they "
+    "go, and what must be reset, also when you raise?",
+    "no_sync": "What does your hook read to know it is inside no_sync, and what if the body raises?",
+    "tuned_bucket_mb": "Can you predict a step's emulated time for a given cap, as lecture 5 section 4 does, "
+    "and then choose among caps?",
 }
 
 ASSIGNMENT = Assignment.of(

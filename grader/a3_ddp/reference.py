@@ -26,20 +26,24 @@ RTOL, ATOL = 1e-7, 1e-10  # double precision; the sum over ranks is only re-asso
 
 
 def reference_buckets(named, bucket_mb: float) -> list[list[str]]:
-    """Trainable parameters once each (first name), reversed, cut greedily at bucket_mb MiB."""
+    """Trainable parameters once each (first name), reversed; a bucket is closed once it holds at
+    least bucket_mb MiB, and before a parameter of another dtype (lecture 5's and the library's
+    rule, PyTorch's)."""
     seen, order = set(), []
     for name, param in named:
         if param.requires_grad and id(param) not in seen:
             seen.add(id(param))
-            order.append((name, param.numel() * param.element_size()))
-    buckets, size = [], 0
-    for name, nbytes in reversed(order):
-        if buckets and buckets[-1] and size + nbytes <= bucket_mb * MIB:
-            buckets[-1].append(name)
-            size += nbytes
-        else:
-            buckets.append([name])
-            size = nbytes
+            order.append((name, param.numel() * param.element_size(), param.dtype))
+    buckets: list[list[str]] = []
+    open_, size, dtype = False, 0, None
+    for name, nbytes, kind in reversed(order):
+        if not open_ or kind != dtype:
+            buckets.append([])
+            open_, size, dtype = True, 0, kind
+        buckets[-1].append(name)
+        size += nbytes
+        if size >= bucket_mb * MIB:
+            open_ = False
     return buckets
 
 
@@ -53,10 +57,11 @@ def expected_buckets(spec: dict) -> tuple[list[list[str]], list[int]]:
 
 def own_buckets(spec: dict, reported) -> tuple[list[list[str]], str]:
     """The buckets the checks of tasks 2-4 hold a rank to: its own (``ddp.buckets``) when they
-    are a partition of the trainable parameters that keeps to ``bucket_mb`` (a bucket over it
-    holds one parameter), else the reference's. Task 1's test alone judges the bucket rule, so a
-    slip there costs only its points. Names are the first name of each parameter (a tied weight
-    may be reported under either name). Returns (buckets, which ones they are, for messages)."""
+    are a partition of the trainable parameters into buckets of one dtype, each closed by the
+    cap (everything but its last parameter under ``bucket_mb``), else the reference's. Task 1's
+    test alone judges the bucket rule, so a slip there costs only its points. Names are the
+    first name of each parameter (a tied weight may be reported under either name). Returns
+    (buckets, which ones they are, for messages)."""
     model = workers.make_model(spec)
     first = {id(p): name for name, p in model.named_parameters()}
     by_name = dict(model.named_parameters(remove_duplicate=False))
@@ -76,7 +81,10 @@ def own_buckets(spec: dict, reported) -> tuple[list[list[str]], str]:
             valid = False
             break
         seen.update(map(id, params))
-        if len(params) > 1 and sum(p.numel() * p.element_size() for p in params) > spec["bucket_mb"] * MIB:
+        if len({p.dtype for p in params}) > 1:
+            valid = False
+            break
+        if sum(p.numel() * p.element_size() for p in params[:-1]) >= spec["bucket_mb"] * MIB:
             valid = False
             break
         buckets.append([first[id(p)] for p in params])
@@ -85,7 +93,7 @@ def own_buckets(spec: dict, reported) -> tuple[list[list[str]], str]:
     reference, _ = expected_buckets(spec)
     return reference, (
         "the reference's buckets (ddp.buckets is not a partition of the trainable parameters into "
-        "buckets of at most bucket_mb)"
+        "buckets of one dtype, each closed once it holds at least bucket_mb)"
     )
 
 
@@ -336,19 +344,20 @@ def count_check(what: str, spec: dict):
 
 
 def overlap_check(what: str, spec: dict):
-    """Every rank, every step: all allreduces asynchronous, and every bucket's own allreduce
-    (``communication``: the one that carried its gradient) launched as soon as the bucket is
-    complete.
+    """Every rank, every step: all allreduces asynchronous, the buckets' own allreduces
+    (``communication``: the one that carried each bucket's gradient) launched strictly in bucket
+    order, and each as soon as the launch order lets it go.
 
     The order of events is the workers' sequence numbers (the grader's hooks, the student's and
     the allreduce calls run on one thread; the grader's hook of a parameter runs before the
-    student's). A bucket is complete at its last gradient; its *deadline* is the next event of
-    the grader's after that: the next gradient's notification, or, for the last, the grader's
-    end-of-backward callback (queued before the student's, so it runs first). The bucket's
-    allreduce must come before its deadline -- the student's hook for that gradient is the only
-    code that runs in between. An allreduce that carries something else launched early counts
-    for nothing. A bucket with a parameter that got no gradient (unused) completes at no
-    gradient and is not checked."""
+    student's). Bucket k may go once it and buckets 0..k-1 are complete (lecture 5, Li et al.
+    2020 section 3.2.3: a bucket that completes early waits for the ones before it); from that
+    moment its *deadline* is the next event of the grader's: the next gradient's notification,
+    or, for the last, the grader's end-of-backward callback (queued before the student's, so it
+    runs first). Its allreduce must come before the deadline -- the student's hook for that
+    gradient is the only code that runs in between. A bucket with a parameter that got no
+    gradient (unused) completes at no gradient: it and the buckets after it are checked for
+    their order only."""
     last = spec.get("accumulate", 1) - 1
 
     def check(outs: list) -> None:
@@ -367,21 +376,28 @@ def overlap_check(what: str, spec: dict):
                         f"{where}: an allreduce with async_op=False blocks backward until it is "
                         "done; launch them with async_op=True"
                     )
+                launched = [call["seq"] for call in matched[step]]
+                for index in range(1, len(launched)):
+                    if launched[index] < launched[index - 1]:
+                        raise AssertionError(
+                            f"{where}: bucket {index} (in launch order) was launched before bucket "
+                            f"{index - 1}: launch strictly in bucket order (every rank must issue its "
+                            "collectives in the same order; a bucket that completes early waits)"
+                        )
                 at = {name: seq for seq, name in ready}
                 events = sorted([seq for seq, _ in ready] + ends)
-                done = sorted(
-                    (max(at[name] for name in bucket), index)
-                    for index, bucket in enumerate(buckets)
-                    if all(name in at for name in bucket)
-                )
-                for complete, index in done:
-                    deadline = next(seq for seq in events if seq > complete)
-                    if matched[step][index]["seq"] > deadline:
+                may_go = -1  # the moment buckets 0..index are all complete
+                for index, bucket in enumerate(buckets):
+                    if not all(name in at for name in bucket):
+                        break
+                    may_go = max(may_go, max(at[name] for name in bucket))
+                    deadline = next(seq for seq in events if seq > may_go)
+                    if launched[index] > deadline:
                         raise AssertionError(
-                            f"{where}: bucket {index} (in launch order) was complete, but its allreduce "
+                            f"{where}: bucket {index} (in launch order) could go, but its allreduce "
                             "was launched only after the next gradient arrived (or backward ended): "
-                            "nothing overlaps backward (launch each bucket as soon as it is complete, "
-                            "from the hook of its last gradient)"
+                            "nothing overlaps backward (launch each bucket from the hook that lets it "
+                            "go: its own last gradient's, or that of the bucket before it)"
                         )
 
     return check
@@ -419,7 +435,7 @@ def trace_check(what: str, spec: dict):
                     if not backward["begin_ns"] <= span["begin_ns"] <= span["end_ns"] <= backward["end_ns"]:
                         raise AssertionError(
                             f"{what}: rank {rank}, step {step}: {span['name']} does not lie within the "
-                            "backward pass (begin it at the launch, end it when wait() returns)"
+                            "backward pass (begin it at the launch, end it when the allreduce completes)"
                         )
 
     return check
@@ -451,5 +467,82 @@ def buckets_check(what: str, cases: list[dict]):
                     f"{what}, case {index} (parameters {names} in registration order, bucket_mb "
                     f"{case['bucket_mb']:.6g}): the buckets are {mine}, expected {right}"
                 )
+
+    return check
+
+
+# --- the measured test: the step on the emulated clock ------------------------------------------
+def ring_seconds(nbytes: float, ranks: int) -> float:
+    """A ring allreduce of ``nbytes`` on ``ranks`` ranks over the 1 Gbit/s link (lecture 2's
+    alpha-beta model, as lecture 5's prediction: no gamma)."""
+    link = workers.LINK_1G
+    model = cost_model.AlphaBeta(alpha=link["alpha_s"], beta=1 / link["bandwidth_Bps"], gamma=0.0)
+    return cost_model.predict("ring", ranks, nbytes, model)
+
+
+def lower_bound(spec: dict) -> float:
+    """max(compute, communication): forward and backward, or one allreduce of every gradient."""
+    forward, backward = workers.timed_seconds()
+    total = sum(numel for _, numel, _ in workers.timed_layout()) * 4  # float32
+    return max(forward + sum(backward.values()), ring_seconds(total, spec["ranks"]))
+
+
+def emulated_step(spec: dict, out: dict, phase: list[int], where: str) -> float:
+    """One step of a rank on the emulated clock, replayed from the events the grader noted.
+
+    The training thread: the forward takes ``forward`` seconds; then, event by event in the
+    order of their sequence numbers, each gradient's notification comes after that parameter's
+    backward seconds; an allreduce is launched at the thread's present moment; a ``wait()`` (or
+    an ``is_completed()`` that said True) makes the thread wait for that allreduce's completion.
+    The link carries one allreduce at a time, in launch order: each starts when launched or when
+    the link is free, whichever is later, and takes ``ring_seconds`` of its bytes. The step ends
+    when the thread is done and the last allreduce has completed. Nothing here reads a clock."""
+    forward, backward = workers.timed_seconds()
+    events = [(seq, "ready", name) for p, name, _, seq in out["ready"] if p == phase]
+    names = [name for _, _, name in events]
+    if sorted(names) != sorted(backward):
+        raise AssertionError(f"{where}: every parameter's gradient once per backward was expected")
+    events += [(c["seq"], "call", c["numel"] * c["itemsize"]) for c in out["calls"] if c["phase"] == phase]
+    events += [(seq, "wait", call) for p, call, seq in out["waits"] if p == phase]
+    clock, link_free, done = forward, 0.0, {}
+    for seq, kind, what in sorted(events):
+        if kind == "ready":
+            clock += backward[what]
+        elif kind == "call":
+            link_free = max(clock, link_free) + ring_seconds(what, spec["ranks"])
+            done[seq] = link_free
+        else:
+            clock = max(clock, done.get(what, clock))
+    return max([clock, *done.values()])
+
+
+def step_time_check(what: str, spec: dict):
+    """The measured test: right (the first step's gradients the average of the ranks' local
+    ones, recomputed here; each bucket's
+    allreduce carried its gradient and nothing else communicated, every allreduce asynchronous),
+    then the slowest rank's slowest step on the emulated clock over ``lower_bound``: returned,
+    to be graded in tiers. Computed here from the grader's records of the order of events (its
+    hooks, its wrapper of ``md.allreduce``, its handles' ``wait``), never from the student's."""
+    last = spec.get("accumulate", 1) - 1
+
+    def check(outs: list) -> float:
+        starts = [out["start_params"][0] if out["start_params"] else None for out in outs]
+        local = [local_model(spec, rank, 0, start) for rank, start in enumerate(starts)]
+        grads = [{name: p.grad for name, p in model.named_parameters()} for model in local]
+        average = {name: sum(g[name] for g in grads) / len(grads) for name in grads[0]}
+        worst = 0.0
+        for rank, out in enumerate(outs):
+            where = f"{what}: rank {rank}"
+            own = {**spec, "bucket_mb": out["bucket_mb"]}  # the cap tuned_bucket_mb returned
+            communication(where, own, out, rank)
+            if not all(c["async_op"] for c in out["calls"]):
+                raise AssertionError(f"{where}: an allreduce with async_op=False blocks backward")
+            for name, value in average.items():
+                got = out["grads"].get(name) if isinstance(out["grads"], dict) else None
+                if not isinstance(got, torch.Tensor) or not torch.allclose(got, value, rtol=1e-5, atol=1e-9):
+                    raise AssertionError(f"{where}: '{name}' after the first backward is not the average")
+            for step in range(spec["steps"]):
+                worst = max(worst, emulated_step(spec, out, [step, last], f"{where}, step {step}"))
+        return worst / lower_bound(spec)
 
     return check

@@ -53,6 +53,8 @@ from time import perf_counter_ns as _now  # bound before the student's module is
 import torch
 from torch import nn
 
+from minidist.clock import TimedLayer
+
 if __package__:  # under pytest: grader.a3_ddp.workers
     from .. import guard
     from ..instruments import wrap_collectives
@@ -101,6 +103,7 @@ class CollectiveLog:
 
     def __init__(self) -> None:
         self._calls: list[dict] = []
+        self._waits: list[list] = []  # [phase, seq of the call waited for, seq]: the handle's wait()
         self._phase: tuple[int, int] | None = None
         self._given = None  # the StudentComm the DDP was given
         self._installed = False
@@ -141,9 +144,43 @@ class CollectiveLog:
             self._calls.append(record)
             if isinstance(comm, StudentComm):  # run on the transport: its own path, its own bytes
                 comm = comm._comm
-            return original(comm, *args, **kwargs)
+            result = original(comm, *args, **kwargs)
+            if name == "allreduce" and record["async_op"] and result is not None:
+                return _tracked(result, record["seq"], self._waits, lambda: _copy(self._phase))
+            return result
 
         return collective
+
+
+class Work:
+    """The handle an asynchronous allreduce returns to the student's code: the library's handle
+    behind ``wait``, ``is_completed`` and ``add_done_callback`` (functions in slots, no way to
+    the log), which notes each ``wait()`` and each ``is_completed()`` that answered True: from
+    then on the training thread has waited for the allreduce (the emulated clock of the measured
+    test makes it wait as long)."""
+
+    __slots__ = ("wait", "is_completed", "add_done_callback")
+
+    def __init__(self, wait, is_completed, add_done_callback) -> None:
+        self.wait, self.is_completed, self.add_done_callback = wait, is_completed, add_done_callback
+
+
+def _tracked(handle, call_seq: int, waits: list, phase) -> Work:
+    def wait(timeout=None):
+        waits.append([phase(), call_seq, next(_SEQ)])
+        return handle.wait(timeout)
+
+    def is_completed():
+        done = bool(handle.is_completed())
+        if done:
+            waits.append([phase(), call_seq, next(_SEQ)])
+        return done
+
+    def add_done_callback(callback):
+        return handle.add_done_callback(lambda _handle: callback(work))
+
+    work = Work(wait, is_completed, add_done_callback)
+    return work
 
 
 def _copy(phase: tuple[int, int] | None) -> list[int] | None:
@@ -276,7 +313,67 @@ class Tied(nn.Module):
         return self.head(torch.tanh(self.hidden(h)))
 
 
-KINDS = ("deep", "frozen", "unused", "tied", "mixed")
+class Timed(nn.Module):
+    """The measured test's model: ``TimedLayer``s (``minidist.clock``) of a small transformer's
+    parameter tensors (``timed_layout``) in registration order, in float32. Their forward and
+    backward do not wait here: the trusted side times the step on the emulated clock from the
+    order of events the grader noted. The output is the input; each weight's gradient is one
+    number repeated (the mean of the output's gradient), real tensors that DDP must send."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(TimedLayer(numel, 0.0, 0.0) for _, numel, _ in timed_layout())
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+#: the measured test's model and cluster: a 12-block transformer of width 64 (147 tensors,
+#: 620,352 parameters, 2.48 MB of float32 gradients) on 524,288 tokens per GPU and step, a V100
+#: at 40% of its peak (50 TFLOP/s): forward 12.5 ms, backward 24.9 ms; a 1 Gbit/s link with
+#: alpha = 50 us per message: one ring allreduce of the gradient on 2 ranks takes 20.0 ms
+TIMED = {"blocks": 12, "width": 64, "vocab": 256, "tokens": 524_288, "flops_per_s": 50e12}
+LINK_1G = {"alpha_s": 50e-6, "bandwidth_Bps": 125e6}
+
+
+def timed_layout() -> list[tuple[str, int, float]]:
+    """(name, elements, forward FLOPs) of the measured model's parameter tensors, in
+    registration order: an input embedding (a lookup: no FLOPs), blocks of attention and MLP
+    matrices (2 N T forward FLOPs for N entries, T tokens) with their biases and LayerNorms
+    (none), and an output matrix and bias. Backward takes twice the forward's FLOPs."""
+    d, tokens = TIMED["width"], TIMED["tokens"]
+    shapes = [("embed", TIMED["vocab"] * d, False)]
+    for b in range(TIMED["blocks"]):
+        shapes += [
+            (f"block{b}.qkv.w", 3 * d * d, True),
+            (f"block{b}.qkv.b", 3 * d, False),
+            (f"block{b}.proj.w", d * d, True),
+            (f"block{b}.proj.b", d, False),
+            (f"block{b}.ln1.w", d, False),
+            (f"block{b}.ln1.b", d, False),
+            (f"block{b}.up.w", 4 * d * d, True),
+            (f"block{b}.up.b", 4 * d, False),
+            (f"block{b}.down.w", 4 * d * d, True),
+            (f"block{b}.down.b", d, False),
+            (f"block{b}.ln2.w", d, False),
+            (f"block{b}.ln2.b", d, False),
+        ]
+    shapes += [("out.w", d * d, True), ("out.b", d, False)]
+    return [(name, numel, 2.0 * numel * tokens if matrix else 0.0) for name, numel, matrix in shapes]
+
+
+def timed_seconds() -> tuple[float, dict[str, float]]:
+    """The measured model's forward seconds, and each parameter's backward seconds by its name
+    in the model (``layers.<i>.weight``), on the emulated GPU."""
+    rate = TIMED["flops_per_s"]
+    layout = timed_layout()
+    forward = sum(flops for _, _, flops in layout) / rate
+    return forward, {f"layers.{i}.weight": 2 * flops / rate for i, (_, _, flops) in enumerate(layout)}
+
+
+KINDS = ("deep", "frozen", "unused", "tied", "mixed", "timed")
 
 
 def make_model(spec: dict, rank: int = 0) -> nn.Module:
@@ -289,7 +386,10 @@ def make_model(spec: dict, rank: int = 0) -> nn.Module:
         "unused": lambda: Deep(spare=True),
         "tied": lambda: Tied(),
         "mixed": lambda: Tied(mixed=True),
+        "timed": Timed,
     }[kind]()
+    if kind == "timed":  # float32, as a GPU's gradients; zeros (its gradients do not depend on them)
+        return model
     return seeded_(model.to(DTYPE), spec["seed"] + 7919 * rank)
 
 
@@ -301,6 +401,8 @@ def make_batch(spec: dict, step: int, micro: int) -> tuple[torch.Tensor, torch.T
     if spec["model"] in ("tied", "mixed"):
         tokens = torch.randint(0, 24, (rows, 5), generator=g)
         return tokens, torch.randint(0, 24, (rows, 5), generator=g)
+    if spec["model"] == "timed":
+        return torch.randn(rows, 4, generator=g), torch.randn(rows, 4, generator=g)
     return torch.randn(rows, 8, generator=g, dtype=DTYPE), torch.randn(rows, 4, generator=g, dtype=DTYPE)
 
 
@@ -353,6 +455,7 @@ def train(comm, spec: dict) -> dict:
     optimizer = optimizer_for(spec, model.parameters())
     first_grads, backward, start_params = None, [], []
     _LOG._calls.clear()
+    _LOG._waits.clear()
     stats_before, messages_before = comm.stats.copy(), traffic(given)
     for step in range(spec["steps"]):
         start_params.append(flat_params(model))  # the trusted side computes the local gradients
@@ -379,6 +482,8 @@ def train(comm, spec: dict) -> dict:
         "start_params": start_params,
         "buckets": [[str(name) for name in bucket] for bucket in wrapped.buckets],
         "calls": list(_LOG._calls),
+        "waits": list(_LOG._waits),
+        "bucket_mb": float(spec["bucket_mb"]),
         "ready": clock._ready,
         "ends": clock._ends,
         "spans": spans._spans,
@@ -389,6 +494,25 @@ def train(comm, spec: dict) -> dict:
             for key in ("sent_messages", "sent_bytes", "received_messages", "received_bytes")
         },
     }
+
+
+def tuned(comm, spec: dict) -> dict:
+    """The measured test: the student's ``tuned_bucket_mb`` picks the cap for the timed model
+    on the 1 Gbit/s link (it gets a copy of the parameters: its own model to look at), then
+    ``train`` runs the student's DDP with that cap; the trusted side times the step."""
+    ddp = student()
+    forward, backward = timed_seconds()
+    cap = ddp.tuned_bucket_mb(
+        list(make_model(spec).named_parameters()),
+        forward,
+        dict(backward),
+        LINK_1G["alpha_s"],
+        LINK_1G["bandwidth_Bps"],
+        comm.world_size,
+    )
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not cap >= 0 or cap == float("inf"):
+        raise ValueError(f"tuned_bucket_mb returned {cap!r}: a cap in MiB, >= 0 and finite, is expected")
+    return train(comm, {**spec, "bucket_mb": float(cap)})
 
 
 def flat_params(module: nn.Module) -> torch.Tensor:

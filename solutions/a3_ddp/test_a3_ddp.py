@@ -72,7 +72,7 @@ def test_buckets_of_the_docstring_example():
     from ddp import MIB, assign_buckets
 
     named = params(("a", 100, True), ("b", 100, True), ("c", 75, True), ("d", 300, True))  # float32
-    assert assign_buckets(named, 1000 / MIB) == [["d"], ["c", "b"], ["a"]]
+    assert assign_buckets(named, 1000 / MIB) == [["d"], ["c", "b", "a"]]  # closed at >= 1000 bytes
 
 
 def test_buckets_skip_frozen_and_repeated_parameters():
@@ -80,11 +80,11 @@ def test_buckets_skip_frozen_and_repeated_parameters():
 
     named = params(("emb", 64, True), ("frozen", 64, False), ("w", 32, True), ("b", 32, True))
     named.append(("head", named[0][1]))  # tied: the embedding again, under a second name
-    assert assign_buckets(named, 256 / MIB) == [["b", "w"], ["emb"]]  # 128 + 128 bytes fit exactly
+    assert assign_buckets(named, 256 / MIB) == [["b", "w"], ["emb"]]  # 128 + 128 bytes reach the cap
     assert assign_buckets(named, 1.0) == [["b", "w", "emb"]]
 
 
-# --- tasks 2 and 3 ---------------------------------------------------------------------------
+# --- tasks 2 and 3 (no_sync is part of task 2) ------------------------------------------------
 def test_matches_one_process():
     setup, reports = shared_run()
     assert len(reports[0]["buckets"]) >= 2, "the test wants several buckets: check assign_buckets"
@@ -133,7 +133,7 @@ def test_the_first_bucket_is_launched_while_backward_computes():
         backward = [e for e in events if e["name"] == "backward"]
         assert len(comm) == setup.steps * len(report["buckets"]), (
             f"rank {rank}: {len(comm)} comm spans, expected one per bucket per step "
-            "(recorder.begin at the launch, recorder.end after wait)"
+            "(recorder.begin at the launch, ended when the allreduce completes)"
         )
         for span in backward:  # "backward" ends when the last gradient is ready (a hook of a3_trace)
             launched = [t for t in comm if span["ts_us"] <= t]
@@ -143,7 +143,6 @@ def test_the_first_bucket_is_launched_while_backward_computes():
             )
 
 
-# --- task 4 ----------------------------------------------------------------------------------
 def test_no_sync_accumulates():
     setup = Setup(accumulate=3, steps=2)
     reports = run(setup, "3 micro-batches per step, 2 of them inside no_sync")

@@ -26,7 +26,11 @@
   ``no_sync`` raises and mallory loses the no_sync tests;
 * ``tess``: a slip in the bucket rule (the buckets in registration order, not reversed): its
   DDP is right for the buckets it made, so it loses task 1's test only (tasks 2-4 are held to
-  its own buckets).
+  its own buckets);
+* ``lena``: the library's DDP as it is -- its bucket rule, its launch order and its default
+  cap, 1 MiB (``tuned_bucket_mb`` returns 1.0): right everywhere, and on the measured test
+  1.23x the lower bound, the second tier (3 of its 6 points; ``PARTIAL``). The solution's cap,
+  chosen by predicting each cap's step, reaches 1.03x.
 
 Forgeries of the communication (issue 25: what is counted must be what is carried). Each gets
 the averaged gradients right by a channel past the per-bucket allreduce, so it keeps task 1 and
@@ -80,12 +84,13 @@ _VALUES = tuple(
 _ALL = tuple(t.name for t in ASSIGNMENT.graded_tests(0))
 _NO_SYNC = tuple(name for name in _ALL if name.startswith("test_no_sync"))
 _OVERLAP = ("test_overlap[tied-2-shm]",)
+_MEASURED = "test_step_time[timed-2-1gbit]"
 _COUNT = tuple(name for name in _ALL if name.startswith("test_one_allreduce_per_bucket"))
 #: what a forged communication loses: every test of tasks 2-4 but the equivalence ones
 _COMMUNICATION = tuple(
     name
     for name in _ALL
-    if name.startswith(("test_one_allreduce", "test_overlap", "test_trace", "test_no_sync"))
+    if name.startswith(("test_one_allreduce", "test_overlap", "test_trace", "test_no_sync", "test_step_time"))
 )
 
 
@@ -97,26 +102,32 @@ def _lost() -> dict[str, tuple[str, tuple[str, ...]]]:
     trent = "forbidden" if refused else "ok"
     return {
         "alice": ("ok", ()),
-        "bob": ("ok", _OVERLAP),
-        "carol": ("ok", _VALUES),
+        "bob": ("ok", (*_OVERLAP, _MEASURED)),
+        "carol": ("ok", (*_VALUES, _MEASURED)),
         "dave": ("ok", _UNUSED),
         "erin": ("ok", tuple(name for name in _ALL if name != "test_assign_buckets")),
         "frank": ("forbidden", _ALL),
-        "lazy": ("ok", _OVERLAP),
-        "trent": (trent, _ALL if trent == "forbidden" else _OVERLAP),
+        "lazy": ("ok", (*_OVERLAP, _MEASURED)),
+        "trent": (trent, _ALL if trent == "forbidden" else (*_OVERLAP, _MEASURED)),
         "mallory": ("ok", _NO_SYNC),
-        "tess": ("ok", ("test_assign_buckets",)),
+        "tess": ("ok", ("test_assign_buckets", _MEASURED)),
+        "lena": ("ok", ()),
         **{name: ("ok", _COMMUNICATION) for name in ("decoy", "overwrite", "whisper", "mimic")},
-        "echo": ("ok", _COUNT + _OVERLAP + _NO_SYNC),
+        "echo": ("ok", (*_COUNT, *_OVERLAP, *_NO_SYNC, _MEASURED)),
         "oscar": ("forbidden", _ALL),
     }
+
+
+#: student -> {measured test: the fraction of its points earned} (the others: all or nothing)
+PARTIAL = {"lena": {_MEASURED: 0.5}}
 
 
 def expected_score(student: str, tests: list[str] | None = None) -> float:
     """The points ``student`` must get on ``tests`` (default: every hidden test)."""
     points = {t.name: t.points for t in ASSIGNMENT.graded_tests(0)}
     tests = list(points) if tests is None else tests
-    return sum(points[name] for name in tests if name not in LOST[student][1])
+    partial = PARTIAL.get(student, {})
+    return sum(points[name] * partial.get(name, 1.0) for name in tests if name not in LOST[student][1])
 
 
 FINISH_START = (
@@ -159,7 +170,8 @@ time.perf_counter_ns = _clock
 def build_dict() -> dict[str, dict[str, bytes]]:
     solution = SOLUTION.read_text()
     hook_start = "        if not self._synchronizing:\n            return\n"
-    hook_end = "        if not bucket.waiting:\n            self._launch(bucket)\n"
+    hook_end = solution[solution.index("        while self._next_launch < len(self._buckets)") :]
+    hook_end = hook_end[: hook_end.index("        ### END SOLUTION\n")]
     hook = solution[solution.index(hook_start) : solution.index(hook_end) + len(hook_end)]
     bob = edit(solution, hook, NO_OVERLAP_HOOK)
     bob = edit(
@@ -219,8 +231,16 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         "        try:\n",
     )
     tess = edit(solution, "    for name, param in reversed(order):\n", "    for name, param in order:\n")
-    texts = (solution, bob, carol, dave, erin, frank, lazy, trent, mallory, tess)
-    names = ("alice", "bob", "carol", "dave", "erin", "frank", "lazy", "trent", "mallory", "tess")
+    tuned_start = "    ### BEGIN SOLUTION TODO(task 4): write tuned_bucket_mb\n"
+    begin = solution.index(tuned_start) + len(tuned_start)
+    end = solution.index("    ### END SOLUTION\n", begin)
+    lena = (
+        solution[:begin]
+        + "    return 1.0  # the library's default cap (DistributedDataParallel(bucket_mb=1.0))\n"
+        + solution[end:]
+    )
+    texts = (solution, bob, carol, dave, erin, frank, lazy, trent, mallory, tess, lena)
+    names = ("alice", "bob", "carol", "dave", "erin", "frank", "lazy", "trent", "mallory", "tess", "lena")
     forged = {name: forgery(solution, *edits) for name, edits in FORGERIES.items()}
     return {name: {FILE: text.encode()} for name, text in [*zip(names, texts), *forged.items()]}
 
@@ -294,7 +314,7 @@ def forgery(solution: str, launch: str, finish: str) -> str:
 
 #: student -> (status, the hidden tests it loses)
 LOST = _lost()
-#: student -> (status, score on every hidden test, out of 37)
+#: student -> (status, score on every hidden test, out of 43)
 EXPECTED = {student: (status, expected_score(student)) for student, (status, _) in LOST.items()}
 
 

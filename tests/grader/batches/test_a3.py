@@ -12,6 +12,8 @@ The solution and the stub on every hidden test: ``test_solutions_and_stubs.py``.
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +24,8 @@ import pytest
 from grade_helpers import (
     check_expected_scores,
     grade_examples,
+    gradebook,
+    run_grader,
 )
 from grader import grade, similarity
 from grader.examples.a3_ddp import make
@@ -108,3 +112,25 @@ def test_the_forgeries_fail_even_past_the_intake_check(tmp_path):
     # first (the transport's byte count, checked after, is tested in test_grade_a3.py)
     oscar = hidden_tests_on(tmp_path / "oscar", "test_one_allreduce_per_bucket and deep")
     assert "1 failed" in oscar and "no allreduce carried bucket" in oscar, oscar[-3000:]
+
+
+MEASURED = "test_step_time[timed-2-1gbit]"
+
+
+@pytest.mark.timeout(300)
+def test_a_copy_of_the_library_does_not_reach_the_top_tier(tmp_path):
+    """lena hands in the library's DDP as it is (its bucket rule, launch order and default cap of
+    1 MiB): 1.23x the lower bound on the emulated clock, the second tier (``make.PARTIAL``), on
+    the leaderboard with that value; the feedback names what full points need. (The solution's
+    top tier, 1.03x: ``test_solutions_and_stubs.py``; the value is replayed from the order of
+    events, so two gradings give the same.)"""
+    submissions, out = tmp_path / "subs", tmp_path / "out"
+    make.write(submissions, {"lena": make.build_dict()["lena"]})
+    run_grader("a3_ddp", submissions, out, "--tests", glob.escape(MEASURED), timeout=240)
+    lena = gradebook(out)["lena"]
+    assert (lena["status"], float(lena["score"])) == ("ok", make.expected_score("lena", [MEASURED])), lena
+    value = json.loads((out / "lena" / "results.json").read_text())["extra_data"]["measured"][MEASURED]
+    assert abs(value - 1.2313) < 1e-3, value  # 1.23126x where it was written
+    board = next((out / "leaderboard").iterdir()).read_text()
+    assert "\n1,lena," in board, board
+    assert "full points need at most 1\\.05x" in (out / "lena" / "feedback.md").read_text()
