@@ -1,22 +1,23 @@
 """Assignment 2: an asynchronous parameter server, and Hogwild, for GloVe.
 
-Lecture 4 trains GloVe without waiting for anyone. You write the four pieces:
+Lecture 4 trains GloVe without waiting for anyone. You write the three pieces:
 
-=====  ========================  =========================================================
-task   function                  what it does
-=====  ========================  =========================================================
-1      ``staleness_aware_lr``    the learning rate of a gradient that is ``staleness`` old
-2      ``run_server``            rank 0: answer pulls, apply every push at once (AdaGrad)
-3      ``ps_worker``             ranks 1..W: pull rows, compute gradients, push them
-4      ``hogwild_worker``        every rank: AdaGrad steps on one shared table, no locks
-=====  ========================  =========================================================
+=====  ==========================================  ===============================================
+task   functions                                   what they do
+=====  ==========================================  ===============================================
+1      ``staleness_aware_lr``, ``run_server``      rank 0: answer pulls, apply every push at once
+                                                   (AdaGrad) at a rate that depends on its staleness
+2      ``ps_worker``                               ranks 1..W: pull rows, compute gradients, push
+3      ``hogwild_worker``                          every rank: AdaGrad steps on one shared table
+4      ``prefetching_worker``                      task 2's worker, made not to wait (measured)
+=====  ==========================================  ===============================================
 
 **The table** is GloVe's (``minidist.glove.model``): ``2V`` rows of ``dim + 1`` floats, row
 ``i`` word ``i``'s vector and bias, row ``V + j`` context ``j``'s. A batch of pairs touches
 the rows ``torch.cat([batch.rows, batch.cols])``, nothing else. AdaGrad keeps, per row, the
 sum of squared gradients ``gradsq`` (it starts at 1).
 
-**The parameter server** (tasks 2 and 3). Rank 0 is the server: it owns ``table`` and
+**The parameter server** (tasks 1 and 2). Rank 0 is the server: it owns ``table`` and
 ``gradsq``; ranks ``1 .. W`` are workers (``W = comm.world_size - 1``). The server counts
 the pushes it has applied: its *version* (0 at the start). The protocol, exactly -- the
 grader pairs your server with its own workers, and your workers with its own server::
@@ -35,10 +36,10 @@ version ``v`` and applied when the server is at version ``s`` has **staleness** 
 the number of other pushes applied since the worker pulled. The server applies it with
 ``staleness_aware_lr(lr, s - v)`` and then is at version ``s + 1``.
 
-**Hogwild** (task 4): every rank runs the single-process loop on its part of the pairs,
+**Hogwild** (task 3): every rank runs the single-process loop on its part of the pairs,
 reading and writing one table in shared memory, without any lock or message.
 
-Which pairs, in which order (tasks 3 and 4, so that results can be compared exactly):
+Which pairs, in which order (tasks 2 and 3, so that results can be compared exactly):
 worker ``k`` of ``n`` takes the contiguous part ``order.subset(split(len(order), n, k))``
 and, ``config.epochs`` times, its batches ``batch_slices(0, len(mine), config.batch_size)``
 in order. Parameter-server workers are numbered ``k = comm.rank - 1``, Hogwild ranks
@@ -66,6 +67,7 @@ __all__ = [
     "PULL",
     "PUSH",
     "hogwild_worker",
+    "prefetching_worker",
     "ps_worker",
     "read_request",
     "run_server",
@@ -92,7 +94,7 @@ def read_request(comm: Communicator, src: int, width: int) -> tuple | None:
     return kind, int(header[1]), header[2:], grads
 
 
-# --- task 1 ------------------------------------------------------------------------------
+# --- task 1: the server --------------------------------------------------------------------------
 def staleness_aware_lr(lr: float, staleness: int) -> float:
     """The learning rate for a gradient that is ``staleness`` versions old.
 
@@ -102,67 +104,51 @@ def staleness_aware_lr(lr: float, staleness: int) -> float:
 
         staleness_aware_lr(0.1, 0) == 0.1     staleness_aware_lr(0.1, 4) == 0.025
     """
-    # TODO(task 1): lr / max(1, staleness)
+    # TODO(task 1): the rule of the docstring, for every staleness the server can see.
     raise NotImplementedError("TODO(task 1): write staleness_aware_lr")
 
 
-# --- task 2 ------------------------------------------------------------------------------
 def run_server(
     comm: Communicator, table: torch.Tensor, gradsq: torch.Tensor, config: GloveConfig
 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """The asynchronous parameter server (rank 0), until every worker said DONE.
 
-    Workers are ranks ``1 .. comm.world_size - 1``; they speak in any order, so read their
-    requests through an ``Inbox``, which hands you ``(src, message)`` in arrival order:
-
-    * PULL: answer ``src`` at once with ``table[rows]`` and the current version;
-    * PUSH: apply it at once, ``adagrad_update(table, gradsq, rows, grads, lr)`` with
-      ``lr = staleness_aware_lr(config.lr, version - pulled_version)``; record that
-      staleness; the version goes up by one;
-    * DONE (``read_request`` returns None): that worker is finished.
+    Workers are ranks ``1 .. comm.world_size - 1`` and speak in any order: handle each request
+    as it arrives (an ``Inbox`` hands them to you in arrival order), following the protocol of
+    the module docstring exactly -- a pull is answered at once, a push is applied at once and
+    never answered, with ``adagrad_update`` at ``staleness_aware_lr(config.lr, staleness)``. A
+    worker that dies or returns early must make the server fail, not hang.
 
     ``table`` and ``gradsq`` are updated in place. Returns ``(table, gradsq, staleness)``,
     ``staleness`` the list of the staleness of every push, in the order they were applied.
+    Read: lecture 4, sections 1 to 3.
     """
-    # TODO(task 2): the server loop. Hints:
-    # - width = table.shape[1]; inbox = Inbox(comm, workers, lambda comm, src: read_request(comm, src, width))
-    # - keep a set of the workers still active; loop while it is not empty:
-    #       src, message = inbox.get(timeout=comm.timeout)
-    #   (a worker that died or returned makes get() raise -- the shm and pipe transports notice a
-    #   closed peer and the Inbox re-raises its listener's error -- instead of hanging)
-    # - answer a pull with send_rows(...) and then comm.send(torch.tensor([version]), src):
-    #   the worker is waiting for exactly these two messages, in this order.
-    # - never answer a push: the worker has already moved on.
-    raise NotImplementedError("TODO(task 2): write run_server")
+    # TODO(task 1): the server loop (see the docstring). Questions first:
+    # - what does the server need to remember between requests, and what is a version?
+    # - how does the loop know it is finished, and what makes it fail instead of waiting forever?
+    raise NotImplementedError("TODO(task 1): write run_server")
 
 
-# --- task 3 ------------------------------------------------------------------------------
+# --- task 2: the workers --------------------------------------------------------------
 def ps_worker(comm: Communicator, order: Pairs, config: GloveConfig) -> list[float]:
     """A parameter-server worker (ranks ``1 .. W``): train on my part of ``order``, then DONE.
 
-    For each of my batches, ``config.epochs`` times (see the module docstring for which):
+    For each of my batches, ``config.epochs`` times (the module docstring says which): pull the
+    rows the batch touches, compute their gradients from the values pulled
+    (``pair_gradients``, the single-process loss), push them with the version the pull
+    returned. Then say DONE. Returns one number per epoch: the sum of the ``loss`` of my
+    batches in that epoch.
 
-    1. pull the rows the batch needs, ``rows = torch.cat([batch.rows, batch.cols])``;
-       the answer is their values and the version they come from;
-    2. ``grads, loss = pair_gradients(values, batch.log_x, batch.f_x)``, ``values`` in the
-       order of ``rows`` (``grads[k]`` belongs to ``rows[k]``);
-    3. push ``rows``, ``grads`` and the version of step 1.
-
-    Returns one number per epoch: the sum of the ``loss`` of my batches in that epoch.
+    Cost: every row a batch touches crosses the network twice, once each way (lecture 4,
+    section 1); a row that appears twice in a batch need not be pulled twice.
     """
-    # TODO(task 3): the worker loop. Hints:
-    # - W = comm.world_size - 1, me = comm.rank - 1; mine = order.subset(split(len(order), W, me))
-    # - a header is a tensor: torch.cat([torch.tensor([PUSH, version]), rows]) (both int64)
-    # - receive the answer to a pull with recv_rows(comm, 0, torch.float32, (width,)), then the
-    #   version into torch.empty(1, dtype=torch.int64) with comm.recv
-    # - optional: pull each row once (torch.unique(rows, return_inverse=True)), index the
-    #   answer with the inverse; push the rows and grads of the batch as they are, not merged.
-    # - after the last batch, send the DONE header; without it the server fails with
-    #   "receiving from rank k failed" as soon as your worker returns.
-    raise NotImplementedError("TODO(task 3): write ps_worker")
+    # TODO(task 2): the worker loop (see the docstring). Questions first:
+    # - which messages, in which order, does the server expect for each batch (module docstring)?
+    # - what must a pushed gradient row line up with, and what does the version you push mean?
+    raise NotImplementedError("TODO(task 2): write ps_worker")
 
 
-# --- task 4 ------------------------------------------------------------------------------
+# --- task 3: Hogwild -----------------------------------------------------------------
 def hogwild_worker(
     comm: Communicator, order: Pairs, table: torch.Tensor, gradsq: torch.Tensor, config: GloveConfig
 ) -> list[float]:
@@ -170,9 +156,30 @@ def hogwild_worker(
 
     ``table`` and ``gradsq`` are the *same memory* in every rank. Run the single-process loop
     on my part (``k = comm.rank`` of ``comm.world_size``; module docstring), updating them in
-    place with ``batch_step(table, gradsq, batch, config.lr)``: no lock, no message. Two ranks
-    may update the same row at once and lose an update; with sparse updates SGD converges
-    anyway. Returns one number per epoch: the sum of what ``batch_step`` returned.
+    place with ``batch_step``: no lock, no message. Two ranks may update the same row at once
+    and lose an update; with sparse updates SGD converges anyway (lecture 4, section 5).
+    Returns one number per epoch: the sum of what ``batch_step`` returned.
     """
-    # TODO(task 4): a few lines. Hint: mine = order.subset(split(len(order), comm.world_size, comm.rank))
-    raise NotImplementedError("TODO(task 4): write hogwild_worker")
+    # TODO(task 3): Hogwild (see the docstring).
+    raise NotImplementedError("TODO(task 3): write hogwild_worker")
+
+
+# --- task 4: a worker that does not wait (measured) ---------------------------------------
+def prefetching_worker(comm: Communicator, order: Pairs, config: GloveConfig) -> list[float]:
+    """``ps_worker``'s contract -- same protocol, same batches in the same order, one pull per
+    batch whose answer the batch's push is computed from, DONE at the end, the same return value
+    -- on a worker that does not sit idle while its pulls travel.
+
+    Measured, not prescribed. The grader runs one such worker with its own server and times the
+    requests the server received, in their order, on an emulated clock (lecture 4, sections 2
+    and 6): one outgoing link per rank at 15 us per message plus 1.25 GB/s, 10 us of compute per
+    pair of a batch, the server answering at once. It divides the time by what no worker can
+    beat, ``max(total compute, total time the worker's link is busy)``. Full points at 1.1x or
+    less, half at 1.4x, a quarter at 2.5x; ``ps_worker`` as the library writes it (pull, wait,
+    compute, push) reaches 1.86x. The server's table must end within 5% of one process's
+    loss: a gradient computed from a table that misses your own last pushes is stale.
+    """
+    # TODO(task 4): a worker that hides the time its pulls take (see the docstring). Questions:
+    # - what can the worker already ask for while it computes, and what may it not know yet?
+    # - how stale does that make a push, and what does the server do with a stale push?
+    raise NotImplementedError("TODO(task 4): write prefetching_worker")

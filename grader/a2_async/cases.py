@@ -22,10 +22,28 @@ the worker processes. Each ``Case`` carries its points; ``grading.py`` declares 
 from __future__ import annotations
 
 from grader.assignment import Case
+from grader.tiers import Tiers
 
 from . import reference as ref
 
-TASKS = {"staleness_aware_lr": 1, "run_server": 2, "ps_worker": 3, "hogwild_worker": 4}
+TASKS = {
+    "staleness_aware_lr": 1,
+    "run_server": 1,
+    "ps_worker": 2,
+    "hogwild_worker": 3,
+    "prefetching_worker": 4,
+}
+
+#: the measured test's data and configuration: the same for every student (a leaderboard compares them)
+MEASURED_DATA = {"seed": 2026, "vocab": 40, "tokens": 800, "window": 4}
+MEASURED_CONFIG = {"dim": 8, "lr": 0.1, "batch_size": 16, "epochs": 3, "seed": 0}
+MEASURED_TIERS = Tiers(
+    quantity="emulated worker time / max(compute, link busy)",
+    unit="x",
+    levels=((1.1, 1.0), (1.4, 0.5), (2.5, 0.25)),
+    lower_is_better=True,
+    baseline="the library's worker (pull, wait, compute, push) reaches 1.86x",
+)
 
 
 def data(seed: int, base: int, **extra) -> dict:
@@ -107,6 +125,23 @@ def cases(seed: int) -> list[Case]:
     check = ref.free_check("run_server with 3 ps_workers (all yours)", d, c, 3, False)
     ps("test_server_and_workers[3]", 2, "run_server", 3, d, c, "student", "student", check)
 
+    d, c = data(seed, 60, tokens=500), config(seed, batch_size=13, epochs=2)
+    check = ref.replay_check("prefetching_worker with the trusted server", d, c, 1)
+    ps("test_prefetching_worker_replayed", 2, "prefetching_worker", 1, d, c, "reference", "prefetch", check)
+    what = "prefetching_worker on the emulated clock"
+    out.append(
+        Case(
+            "test_prefetching_worker_time",
+            6,
+            "prefetching_worker",
+            "parameter_server",
+            2,
+            [MEASURED_DATA, MEASURED_CONFIG, "reference", "prefetch"],
+            ref.prefetch_check(what, MEASURED_DATA, MEASURED_CONFIG),
+            "pipe",
+            MEASURED_TIERS,
+        )
+    )
     for name, ranks, groups, exact, points in [
         ("test_hogwild_one_rank_is_the_loop", 1, 1, True, 2),
         ("test_hogwild_disjoint_parts_are_exact[2]", 2, 2, True, 2),

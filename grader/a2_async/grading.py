@@ -30,10 +30,11 @@ SIMILAR_TO = (
 GIVEN_FUNCTIONS = ("read_request",)
 
 HINTS = {
-    "staleness_aware_lr": "lr / max(1, staleness): staleness 0 and 1 both get the full rate.",
-    "run_server": "Answer a pull with the rows, then the version; apply a push at once, then version += 1.",
-    "ps_worker": "Push the version your pull returned; rows and grads in batch order; DONE at the end.",
-    "hogwild_worker": "Your part is split(len(order), world_size, rank); batch_step on the shared tensors.",
+    "staleness_aware_lr": "What rate do staleness 0 and staleness 1 get, by the docstring's examples?",
+    "run_server": "Which two messages answer a pull, in which order? When does the version move?",
+    "ps_worker": "Which version does a push carry? Do the rows and gradients of a push line up? DONE?",
+    "hogwild_worker": "Which part of the pairs is this rank's (module docstring), and in which order?",
+    "prefetching_worker": "Is push k computed from pull k's answer? Which pull can leave earlier?",
 }
 
 ASSIGNMENT = Assignment.of(

@@ -15,7 +15,7 @@ import torch
 
 from minidist.glove.model import adagrad_update, batch_step, full_loss, pair_gradients
 
-from . import workers
+from . import timing, workers
 
 TOLERANCE = 1e-5  # the protocol's operations are exact; this only forgives a different rounding of lr
 
@@ -197,6 +197,52 @@ def replay_check(what: str, d: dict, c: dict, parts: int) -> Callable:
         for rank in range(1, parts + 1):
             where = f"{what}: ps_worker's return value on rank {rank}"
             check_losses(where, outs[rank].get("losses"), expected["losses"][rank - 1])
+
+    return check
+
+
+#: how much worse than the single-process loop a prefetching worker's table may end (full loss)
+PREFETCH_LOSS_FACTOR = 1.05
+
+
+def prefetch_check(what: str, d: dict, c: dict) -> Callable:
+    """One prefetching worker with the trusted server: exact given the versions it pulled, one pull
+    per batch in order, the loss within ``PREFETCH_LOSS_FACTOR`` of one process's; returns the
+    emulated time over its lower bound (``timing``), from the requests the server received."""
+
+    def check(outs) -> float:
+        check_reports(outs, 2, what, ("table", "gradsq", "log", "requests"))
+        expected = replay(d, c, 1, outs[0]["log"], what)
+        check_exact(what, outs[0], expected)
+        check_losses(f"{what}: the return value", outs[1].get("losses"), expected["losses"][0])
+        order, config = inputs(d, c)
+        batches = workers.schedule(order, config, 1, 0)
+        requests, pulled, pushed = [], [], []
+        for _src, kind, rows, version in outs[0]["requests"]:
+            name = {workers.PULL: "pull", workers.PUSH: "push"}.get(kind, "done")
+            requests.append((name, rows))
+            (pulled if name == "pull" else pushed if name == "push" else []).append((version, rows))
+        if requests[-1:] != [("done", 0)] or len(pulled) != len(batches):
+            fail(
+                f"{what}: {len(pulled)} pulls for {len(batches)} batches; the contract is one pull per batch"
+            )
+        needed = [len(torch.unique(torch.cat([b.rows, b.cols]))) for b in batches]
+        for k, ((answered, rows), (carried, _)) in enumerate(zip(pulled, pushed)):
+            if carried != answered or rows < needed[k]:
+                fail(
+                    f"{what}: push {k} carries version {carried}, and pull {k} was answered at version "
+                    f"{answered} for {rows} rows (batch {k} touches {needed[k]}): the k-th push must be "
+                    "computed from the k-th pull, which asks for every row of batch k"
+                )
+        loss, reference = full_loss(expected["table"], order), full_loss(sequential(d, c)["table"], order)
+        if not loss <= PREFETCH_LOSS_FACTOR * reference:
+            fail(
+                f"{what}: the loss after training is {loss:.5f}, more than {PREFETCH_LOSS_FACTOR:g} times "
+                f"one process's ({reference:.5f}): pulls too far ahead make the gradients too stale"
+            )
+        pairs = [len(b) for b in batches]
+        seconds, bound = timing.emulated_seconds(requests, pairs, needed, config.dim + 1)
+        return seconds / bound
 
     return check
 

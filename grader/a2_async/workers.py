@@ -118,16 +118,19 @@ def _read(comm, src: int, width: int):
 def reference_server(comm, table, gradsq, config: GloveConfig):
     width, active = table.shape[1], set(range(1, comm.world_size))
     inbox = Inbox(comm, sorted(active), lambda comm, src: _read(comm, src, width))
-    version, staleness, log = 0, [], []
+    version, staleness, log, requests = 0, [], [], []
     while active:
         try:
             src, message = inbox.get(timeout=comm.timeout)
         except RuntimeError as error:  # a worker died: a consequence, not the cause
             raise PeerError(str(error)) from None
         if message is None:
+            requests.append([src, DONE, 0, 0])
             active.discard(src)
             continue
         kind, pulled, rows, grads = message
+        # every request in the order it arrived: [worker, kind, rows, version answered or pushed]
+        requests.append([src, kind, len(rows), version if kind == PULL else pulled])
         if kind == PULL:
             send_rows(comm, table[rows], src)
             comm.send(torch.tensor([version]), src)
@@ -136,7 +139,7 @@ def reference_server(comm, table, gradsq, config: GloveConfig):
             log.append([src, pulled])
             adagrad_update(table, gradsq, rows, grads, config.lr / max(1, version - pulled))
             version += 1
-    return table, gradsq, staleness, log
+    return table, gradsq, staleness, log, requests
 
 
 def _pull(comm, rows: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
@@ -198,7 +201,8 @@ def lockstep_worker(comm, order: Pairs, config: GloveConfig) -> dict:
 
 
 def parameter_server(comm, data: dict, config: dict, server: str, worker: str) -> dict:
-    """Rank 0 a server, ranks 1.. workers; ``server``/``worker``: "student", "reference", "lockstep"."""
+    """Rank 0 a server, ranks 1.. workers; ``server``/``worker``: "student", "reference", "lockstep";
+    ``worker`` may also be "prefetch" (the student's ``prefetching_worker``)."""
     order, config = make_pairs(data), make_config(config)
     if comm.rank == 0:
         table, gradsq = initial_state(order, config)
@@ -210,15 +214,16 @@ def parameter_server(comm, data: dict, config: dict, server: str, worker: str) -
                 )
             table, gradsq, staleness = returned
             return {"table": table, "gradsq": gradsq, "staleness": [int(s) for s in staleness]}
-        table, gradsq, staleness, log = reference_server(comm, table, gradsq, config)
-        return {"table": table, "gradsq": gradsq, "staleness": staleness, "log": log}
-    if worker == "student":
-        losses = student().ps_worker(wrapped(comm), order, config)
+        table, gradsq, staleness, log, requests = reference_server(comm, table, gradsq, config)
+        return {"table": table, "gradsq": gradsq, "staleness": staleness, "log": log, "requests": requests}
+    if worker in ("student", "prefetch"):
+        function = student().ps_worker if worker == "student" else student().prefetching_worker
+        losses = function(wrapped(comm), order, config)
         return {"losses": [float(loss) for loss in losses]}
     return (lockstep_worker if worker == "lockstep" else reference_worker)(comm, order, config)
 
 
-# --- task 4 ----------------------------------------------------------------------------------
+# --- task 3 ----------------------------------------------------------------------------------
 def hogwild(comm, data: dict, config: dict) -> dict:
     """The student's hogwild_worker on a table and gradsq that every rank maps from one file."""
     order, config = make_pairs(data), make_config(config)

@@ -75,9 +75,14 @@ def sequential(order: Pairs, config: GloveConfig = TOY_CONFIG) -> Run:
 
 # --- your code, in worker processes ----------------------------------------------------------
 def ps_rank(
-    comm, order: Pairs, config: GloveConfig, compute_seconds: float = 0.0, staleness_aware: bool = True
+    comm,
+    order: Pairs,
+    config: GloveConfig,
+    compute_seconds: float = 0.0,
+    staleness_aware: bool = True,
+    worker: str = "ps_worker",
 ):
-    """Rank 0 runs your ``run_server``, the other ranks your ``ps_worker``.
+    """Rank 0 runs your ``run_server``, the other ranks your ``ps_worker`` (or ``worker``).
 
     Two knobs for the notebook's experiments, applied to your module in this process only:
 
@@ -99,7 +104,7 @@ def ps_rank(
         start = time.perf_counter()
         table, gradsq, staleness = async_ps.run_server(comm, table, gradsq, config)
         return table, gradsq, [int(s) for s in staleness], time.perf_counter() - start
-    return async_ps.ps_worker(comm, order, config)
+    return getattr(async_ps, worker)(comm, order, config)
 
 
 def _full_rate(lr: float, staleness: int) -> float:
@@ -132,15 +137,16 @@ def parameter_server(
     timeout: float = 60,
     compute_seconds: float = 0.0,
     staleness_aware: bool = True,
+    worker: str = "ps_worker",
 ) -> Run:
     """Your server on rank 0 and ``workers`` of your workers (md.launch errors propagate).
 
-    ``compute_seconds`` and ``staleness_aware``: see ``ps_rank``.
+    ``compute_seconds``, ``staleness_aware`` and ``worker``: see ``ps_rank``.
     """
     outs = md.launch(
         ps_rank,
         workers + 1,
-        args=(order, config, compute_seconds, staleness_aware),
+        args=(order, config, compute_seconds, staleness_aware, worker),
         timeout=timeout,
         threads_per_worker=1,
     )
@@ -169,6 +175,90 @@ def try_run(function, *args, **kwargs) -> Run | None:
 
 
 # --- pictures --------------------------------------------------------------------------------
+# --- task 4: a worker's time on the emulated clock (what the grader measures) --------------------
+LINK_ALPHA, LINK_BANDWIDTH = 15e-6, 1.25e9  # the grader's link: seconds per message, bytes per second
+PAIR_SECONDS = 10e-6  # the grader's emulated compute: seconds per pair of a batch
+
+
+class SendLog(md.CommView):
+    """Wraps a communicator; records what this rank sends, in order: ``(numel, first value)``."""
+
+    def __init__(self, comm) -> None:
+        super().__init__(comm)
+        self.sent: list[tuple[int, float | None]] = []
+
+    def _record(self, tensor: torch.Tensor) -> None:
+        flat = tensor.reshape(-1)
+        self.sent.append((flat.numel(), flat[0].item() if flat.numel() else None))
+
+    def send(self, tensor, dst, tag=0):
+        self._record(tensor)
+        return self.inner.send(tensor, dst, tag)
+
+    def isend(self, tensor, dst, tag=0):
+        self._record(tensor)
+        return self.inner.isend(tensor, dst, tag)
+
+
+def timed_rank(comm, order: Pairs, config: GloveConfig, worker: str):
+    """Rank 0 your ``run_server``; rank 1 your ``worker`` through a SendLog: what it sent."""
+    async_ps = importlib.import_module("async_ps")
+    if comm.rank == 0:
+        table, gradsq = initial_state(order, config)
+        async_ps.run_server(comm, table, gradsq, config)
+        return None
+    log = SendLog(comm)
+    getattr(async_ps, worker)(log, order, config)
+    return log.sent
+
+
+def requests_of(sent: list[tuple[int, float | None]]) -> list[tuple[str, int]]:
+    """The requests ``(kind, rows)`` in ``sent`` (``send_rows``: a length, then the rows)."""
+    requests, i = [], 0
+    while i < len(sent):
+        length = int(sent[i][1])
+        kind = {0: "pull", 1: "push"}.get(int(sent[i + 1][1]), "done")
+        i += 2
+        if kind == "push":  # then the gradients: a length, and the rows unless there are none
+            i += 1 if int(sent[i][1]) == 0 else 2
+        requests.append((kind, length - 2))
+    return requests
+
+
+def _cost(kind: str, rows: int, width: int) -> float:
+    messages = 4 if kind == "push" else 2
+    nbytes = (2 + rows) * 8 + (rows * width * 4 if kind == "push" else 0)
+    return messages * LINK_ALPHA + nbytes / LINK_BANDWIDTH
+
+
+def worker_time(order: Pairs, worker: str = "prefetching_worker", config: GloveConfig = TOY_CONFIG):
+    """Your server and one of your ``worker``, timed as the grader times task 4: returns
+    ``(emulated seconds, lower bound)``. The model (the grader's ``timing.py``): one outgoing link
+    per rank, ``LINK_ALPHA`` per message plus the bytes over ``LINK_BANDWIDTH``; ``PAIR_SECONDS``
+    of compute per pair, which starts once the batch's pull is answered and the previous batch is
+    done; the server answers at once; the bound is ``max(total compute, the link's busy time for
+    one pull per batch of its distinct rows and one push)``."""
+    sent = md.launch(timed_rank, 2, args=(order, config, worker), timeout=60)[1]
+    width = config.dim + 1
+    batches = [
+        order.subset(b) for _ in range(config.epochs) for b in batch_slices(0, len(order), config.batch_size)
+    ]
+    link = cpu = 0.0
+    answers, pushes = [], 0
+    for kind, rows in requests_of(sent):
+        if kind == "push":
+            cpu = max(cpu, answers[pushes]) + PAIR_SECONDS * len(batches[pushes])
+            pushes += 1
+        link = max(link, cpu) + _cost(kind, rows, width)
+        if kind == "pull":  # the answer: rows (a length, then the rows), then the version
+            answers.append(link + 3 * LINK_ALPHA + (rows * width * 4 + 16) / LINK_BANDWIDTH)
+    busy = _cost("done", 0, width)
+    for batch in batches:
+        distinct = len(torch.unique(torch.cat([batch.rows, batch.cols])))
+        busy += _cost("pull", distinct, width) + _cost("push", 2 * len(batch), width)
+    return max(link, cpu), max(busy, PAIR_SECONDS * sum(len(b) for b in batches))
+
+
 def draw_staleness(runs: dict[str, Run]):
     """One histogram of the staleness of the pushes per run."""
     fig, axes = plt.subplots(1, len(runs), figsize=(4 * len(runs), 3), squeeze=False)

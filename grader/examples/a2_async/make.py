@@ -14,7 +14,12 @@
   (``minidist.glove.trainers.hogwild``): refused at intake, status ``forbidden``;
 * ``hidden_trainer``: the same through another module that imports the trainers
   (``minidist.bench.glove``), which the intake check cannot resolve: the run time guard
-  refuses the call, status ``forbidden``.
+  refuses the call, status ``forbidden``;
+* ``library_worker``: correct, but its ``prefetching_worker`` is the library's worker
+  (``ps_worker``: pull, wait, compute, push): 1.86x the lower bound on the measured test
+  (``test_prefetching_worker_time``), its third tier, 1.5 of its 6 points.
+
+The others' ``prefetching_worker`` is the solution's (bob, carol and dave break other functions).
 
 ``EXPECTED`` holds the status and score each must get on all the hidden tests. The
 submissions are generated from ``solutions/`` and ``assignments/`` (so they follow the
@@ -34,15 +39,16 @@ SOLUTION = ROOT / "solutions" / "a2_async" / "async_ps.py"
 STUB = ROOT / "assignments" / "a2_async" / "async_ps.py"
 FILE = "async_ps.py"
 
-#: student -> (status, score on every hidden test, out of 36)
+#: student -> (status, score on every hidden test, out of 44)
 EXPECTED = {
-    "alice": ("ok", 36),
-    "bob": ("ok", 25),
-    "carol": ("ok", 11),
-    "dave": ("ok", 22),
+    "alice": ("ok", 44),
+    "bob": ("ok", 33),
+    "carol": ("ok", 19),
+    "dave": ("ok", 30),
     "erin": ("import_error", 0),
     "library_trainer": ("forbidden", 0),
     "hidden_trainer": ("forbidden", 0),
+    "library_worker": ("ok", 39.5),
 }
 
 LIBRARY_HOGWILD = """
@@ -84,7 +90,9 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         solution, "import torch\n", "import torch\nfrom minidist.bench import glove as bench_glove\n"
     )
     hidden = replace_function(hidden, "hogwild_worker", HIDDEN_HOGWILD)
-    texts = (solution, bob, carol, dave, erin, library, hidden)
+    waiting = function_source(solution, "ps_worker").replace("def ps_worker(", "def prefetching_worker(", 1)
+    library_worker = replace_function(solution, "prefetching_worker", waiting)
+    texts = (solution, bob, carol, dave, erin, library, hidden, library_worker)
     return {name: {FILE: text.encode()} for name, text in zip(EXPECTED, texts)}
 
 

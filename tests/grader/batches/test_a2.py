@@ -2,8 +2,9 @@
 
 One batch on every hidden test: the solution full marks, the released stub zero (every test
 failing with NotImplementedError), the examples of ``grader/examples/a2_async/make.py`` their
-expected scores; then a deadlocking student on two tests with a 3 s timeout (a deadlock costs
-only the tests it hangs). The reference and the feedback texts: ``tests/grader/test_grade_a2.py``.
+expected scores; then a deadlocking student on three tests with a 3 s timeout (a deadlock costs
+only the tests it hangs), with library_worker (the library's worker as ``prefetching_worker``:
+the measured test's third tier). The reference and the feedback texts: ``tests/grader/test_grade_a2.py``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from grader.a2_async.grading import ASSIGNMENT as assignment
 from grader.examples.a2_async import make
 
 ROOT = Path(__file__).resolve().parents[3]
+MEASURED = "test_prefetching_worker_time"
 
 
 def grade(submissions: Path, out: Path, *extra: str) -> str:
@@ -55,9 +57,10 @@ def test_the_solution_scores_full_marks_the_stub_zero_and_the_examples_their_sco
     assert "What you may use instead" in (out / "hidden_trainer" / "feedback.md").read_text()
     assert float(book["alice"]["similarity"]) < similarity.FLAG_AT
 
-    # a deadlock costs one test timeout per test it hangs, and only those tests' points
+    # a deadlock costs one test timeout per test it hangs, and only those tests' points; with dave,
+    # library_worker, the library's worker as prefetching_worker: the measured test's third tier
     dave = tmp_path / "dave"
-    make.write(dave, {"dave": examples["dave"]})
+    make.write(dave, {name: examples[name] for name in ("dave", "library_worker")})
     grade(
         dave,
         tmp_path / "out-dave",
@@ -67,9 +70,18 @@ def test_the_solution_scores_full_marks_the_stub_zero_and_the_examples_their_sco
         "test_server_lockstep*",
         "--tests",
         "test_worker_alone*",
+        "--tests",
+        MEASURED,
     )
-    row = gradebook(tmp_path / "out-dave")["dave"]
-    assert (row["score"], row["max_score"]) == ("6", "9"), row
+    book = gradebook(tmp_path / "out-dave")
+    row = book["library_worker"]
+    assert (float(row["score"]), row["max_score"]) == (9 + 1.5, "15"), row
+    measured = json.loads((tmp_path / "out-dave" / "library_worker" / "results.json").read_text())
+    assert round(measured["extra_data"]["measured"][MEASURED], 2) == 1.86, measured["extra_data"]
+    board = (tmp_path / "out-dave" / "leaderboard" / f"{MEASURED}.csv").read_text()
+    assert "\n1,dave," in board and "\n2,library_worker," in board, board
+    row = book["dave"]
+    assert (row["score"], row["max_score"]) == ("12", "15"), row
     # a server waiting for a worker that returned without DONE hangs until the test timeout, or, when
     # the transport tells it that the worker has closed its communicator, fails at once
     feedback = (tmp_path / "out-dave" / "dave" / "feedback.md").read_text()
