@@ -105,6 +105,12 @@ def test_results_json_and_feedback_carry_the_measured_value_and_the_leaderboard(
     assert wrong["leaderboard"] == [] and wrong["extra_data"]["measured"] == {"test_step[deep-2]": None}
     assert "test_step" in report.feedback_md(graded("bob", None, 0), {}).split("## What failed")[1]
     json.dumps(data, allow_nan=False)
+    right = report.Graded("cid", "ok", "", [partial.tests[0], partial.tests[2]], 1.0, "d")  # no failure
+    assert "Well done" not in report.feedback_md(right, {}) and "top tier needs" in report.feedback_md(
+        right, {}
+    )
+    full = report.Graded("dan", "ok", "", [partial.tests[0]], 1.0, "d")
+    assert "Every test passed. Well done." in report.feedback_md(full, {})
 
 
 def test_the_grader_writes_a_leaderboard_per_measured_test(tmp_path):
