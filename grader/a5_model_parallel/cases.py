@@ -117,7 +117,7 @@ def schedule_cases(seed: int) -> list[list[int]]:
 def pipeline_spec(seed: int, base: int, world_size: int, m: int, schedule: str) -> dict:
     rng = random.Random(_seed(seed, base))
     rows, width = rng.choice([3, 4, 5]), rng.choice([6, 7, 9])
-    plans = {"1f1b": ref.one_f_one_b, "gpipe": ref.gpipe, "split": ref.zero_bubble}
+    plans = {"1f1b": ref.one_f_one_b, "gpipe": ref.gpipe, "split": ref.split_late}
     plan = plans[schedule](world_size, m) if schedule in plans else None  # None: the student's
     return {
         "seed": _seed(seed, base),

@@ -12,8 +12,8 @@ Each ``*_check`` returns a function of the ranks' reports (read back as data) th
 ``AssertionError`` with a message a student may read: it names what differs and by how much,
 never the expected value. ``measured_check`` (the measured test, graded in tiers) returns, when
 the run is right, the step's time on the emulated clock (``emulated_time``: the order the
-grader's stages logged, F = B = W = 1 unit) over the ideal (``ideal_time``); ``zero_bubble`` is
-the grader's own schedule with split backwards, which the stage step must run.
+grader's stages logged, F = B = W = 1 unit) over the ideal (``ideal_time``); ``split_late`` is
+the split schedule the stage step must run, ``zero_bubble`` the fastest (for the course's tests).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def zero_bubble(p: int, m: int) -> list[list[tuple[str, int]]]:
     derived from when work can start: stage r runs min(p - r, m) forwards, then for each
     microbatch k in order its B, the W of microbatch k - r (so that stage r holds at most p), the
     next forward; then the Ws left. With F = B = W it idles p - 1 units per stage for m >= p
-    (1F1B: 3 (p - 1)). The grader's own; the stage step runs it in ``test_run_stage[...-split]``."""
+    (1F1B: 3 (p - 1)). The grader's own, for its tests of the emulated clock (never in a spec)."""
     out = []
     for r in range(p):
         forwards = min(p - r, m)
@@ -70,6 +70,15 @@ def zero_bubble(p: int, m: int) -> list[list[tuple[str, int]]]:
         actions += [("W", j) for j in range(weights, m)]
         out.append(actions)
     return out
+
+
+def split_late(p: int, m: int) -> list[list[tuple[str, int]]]:
+    """1F1B with every backward split into B, where 1F1B has its backward, and W, all at the end
+    of the stage's list: what ``test_run_stage[...-split]`` runs (a split schedule that gives away
+    nothing of a fast one: its spec is readable in the sandbox)."""
+    return [
+        [(kind, j) for kind, j in actions] + [("W", j) for j in range(m)] for actions in one_f_one_b(p, m)
+    ]
 
 
 def as_actions(schedule) -> list[list[tuple[str, int]]]:
