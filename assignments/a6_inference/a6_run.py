@@ -1,5 +1,6 @@
 """Helpers for the notebook of assignment 6: run a part that may not be written yet, count the
-tokens the projections see, run the public tests. Nothing to change here.
+tokens the projections see, measure a format on the course's decoder, run the public tests.
+Nothing to change here.
 """
 
 from __future__ import annotations
@@ -74,3 +75,52 @@ def run_public_tests(*pytest_args: str) -> bool:
     result = subprocess.run([*command, *pytest_args], cwd=HERE, capture_output=True, text=True)
     print(result.stdout[-20_000:], result.stderr[-5_000:], sep="")
     return result.returncode == 0
+
+
+# --- task 4: a format measured on the course's decoder -------------------------------------------
+def rebuild(q) -> tuple:
+    """``(weights, bits)`` of one ``Quantized``, read the way its docstring says the grader reads
+    it: float32 weights of ``q.shape`` and the bits of its codes, code values and scales."""
+    import torch
+
+    if q.values is None:
+        values, bits = q.codes.double() - (2 ** (q.bits - 1) - 1), q.bits * q.codes.numel()
+    else:
+        values = q.values.double()[q.codes.long()]
+        bits = q.bits * q.codes.numel() + 16 * q.values.numel()
+    if torch.is_tensor(q.scales):
+        scales, scale_bits = q.scales.double(), 8 * q.scales.element_size() * q.scales.numel()
+    else:
+        scales, scale_bits = rebuild(q.scales)
+        scales = scales.double().reshape(-1)
+    n = math.prod(q.shape)
+    weights = (values.reshape(-1, q.block) * scales[:, None]).reshape(-1)[:n].reshape(q.shape)
+    return weights.float(), bits + scale_bits
+
+
+def measure_quantizer(quantize_model, blocks: int = 16) -> dict:
+    """Your ``quantize_model`` on the course's pretrained decoder: bits per weight of its linear
+    layers and the perplexity on the first ``blocks`` blocks of the eval split (those the grader
+    uses), against the same decoder with its linear weights in fp16."""
+    import torch
+
+    from minidist import data
+    from minidist.models import pretrained
+
+    model, tok = pretrained.load("course")
+    text = data.lm_dataset(tok, 128, "eval")[:blocks]
+    linears = {f"{n}.weight": m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    original = {name: m.weight.detach().clone() for name, m in linears.items()}
+
+    def perplexity(weights: dict) -> float:
+        with torch.no_grad():
+            for name, module in linears.items():
+                module.weight.copy_(weights[name])
+        return pretrained.perplexity(model, blocks=text)
+
+    fp16 = perplexity({name: w.half().float() for name, w in original.items()})
+    formats = quantize_model({name: w.clone() for name, w in original.items()})
+    rebuilt = {name: rebuild(formats[name]) for name in original}
+    bits = sum(b for _, b in rebuilt.values()) / sum(w.numel() for w in original.values())
+    quantized = perplexity({name: w for name, (w, _) in rebuilt.items()})
+    return {"bits_per_weight": bits, "fp16": fp16, "perplexity": quantized, "increase": quantized / fp16 - 1}

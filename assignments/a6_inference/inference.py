@@ -2,32 +2,24 @@
 
 A 176B-parameter model is 352 GB in fp16. Two tricks make such a model usable on few machines:
 
-**Quantization** stores each weight in 8 or 4 bits plus a floating-point *scale* shared by a
-group of weights, and multiplies with the weight rebuilt ("dequantized") on the fly::
+**Quantization** stores each weight as a small integer code plus a floating-point *scale*
+shared by a group of weights, and rebuilds ("dequantizes") the weight when it multiplies: 176B
+weights take 352 GB in fp16, 176 GB in int8 with a scale per row, about 99 GB in NF4 with a scale
+per block of 64 (lecture 9, section 3; Dettmers et al. 2022, LLM.int8(), section 3; Dettmers
+et al. 2023, QLoRA, section 3).
 
-    format        bits per weight                      176B weights
-    fp16          16                                   352 GB
-    int8          8   + one fp32 scale per row         176 GB
-    nf4           4   + one fp32 scale per block of 64  ~ 99 GB  (88 GB for the codes alone)
+**A KV cache** keeps the keys and values of the tokens already seen, which do not change, so that
+each generation step projects only the new token: O(T) work per new token instead of O(T^2)
+(lecture 9, section 5; Pope et al. 2022, "Efficiently Scaling Transformer Inference", section 2).
 
-**A KV cache** makes generation cost O(T) per new token instead of O(T^2): generating token
-t+1 needs the keys and values of tokens 0..t, which do not change once computed. Keep them;
-each step projects only the new token and appends its key and value::
-
-    without a cache                          with a cache
-    step 1: project tokens 0..T0-1           step 1: project tokens 0..T0-1, keep K, V
-    step 2: project tokens 0..T0    again    step 2: project token T0 only, append to K, V
-    step 3: project tokens 0..T0+1  again    step 3: project token T0+1 only, append ...
-
-=====  ===================================  =================================================
-task   where                                what it does
-=====  ===================================  =================================================
-1      ``quantize_int8``/``dequantize_int8`` absmax int8, one scale per row
-2      ``pack_4bit``/``unpack_4bit``        two 4-bit codes per byte, the first in the high half
-3      ``quantize_nf4``/``dequantize_nf4``  4-bit NormalFloat, one absmax per block
-4      ``attention_step``                   causal multi-head attention for new tokens, with a cache
-5      ``decoder_step``/``generate``        the decoder one step at a time; greedy generation
-=====  ===================================  =================================================
+=====  =====================================  =================================================
+task   where                                  what it does
+=====  =====================================  =================================================
+1      ``quantize_int8`` ... ``dequantize_nf4`` int8 per row, 4-bit packing, NF4 per block
+2      ``attention_step``                     causal multi-head attention for new tokens, with a cache
+3      ``decoder_step``/``generate``          the decoder one step at a time; greedy generation
+4      ``quantize_model``                     your own format for a whole model, graded on its bits
+=====  =====================================  =================================================
 
 The course library's quantization (``minidist.quant``) and generation (``minidist.models
 .generate``), torch's quantization (``torch.ao``, ``torch.quantize_per_*``), its fused
@@ -46,6 +38,7 @@ from torch import nn
 __all__ = [
     "NF4_VALUES",
     "NF4Weight",
+    "Quantized",
     "TinyDecoder",
     "attention_step",
     "decoder_step",
@@ -54,6 +47,7 @@ __all__ = [
     "generate",
     "pack_4bit",
     "quantize_int8",
+    "quantize_model",
     "quantize_nf4",
     "unpack_4bit",
 ]
@@ -83,23 +77,18 @@ NF4_VALUES = (
 )
 
 
-# --- task 1: absmax int8 ------------------------------------------------------------------------
+# --- task 1: weights in fewer bits: int8 per row, 4-bit packing, NF4 per block -------------------
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric absmax int8 with one scale per row (a row: the last dimension).
+    """Symmetric absmax int8 with one scale per row (a row: the last dimension): lecture 9
+    section 3.1, LLM.int8() section 3 ("absmax quantization").
 
-    For each row: ``scale = max |w| / 127``; ``code = round(w / scale)``, clamped to
-    [-127, 127] (-128 is not used: -w then quantizes to -code). A row of zeros gets scale 0 and
-    codes 0 -- never a division by zero::
-
-        row    [0.5, -2.54, 1.0]      max |w| = 2.54,  scale = 0.02
-        codes  [25, -127, 50]         int8
-        back   codes * scale = [0.5, -2.54, 1.0]      error at most scale / 2 per weight
-
-    Compute in float32 whatever ``w``'s dtype. Returns ``(codes, scale)``: ``codes`` int8 of
-    ``w``'s shape, ``scale`` float32 of shape ``(..., 1)`` (the row dimension kept, so that
-    ``codes * scale`` broadcasts). Memory: one byte per weight plus 4 per row.
+    Contract: ``(codes, scale)``, ``codes`` int8 of ``w``'s shape in [-127, 127] (symmetric: -w
+    gives -codes), ``scale`` float32 of shape ``(..., 1)`` so that ``codes * scale`` broadcasts
+    back to ``w`` within half a step; the largest weight of a row maps to +-127, and a row of
+    zeros to codes 0 and scale 0. Any float dtype in, float32 arithmetic. Cost: one byte per
+    weight plus 4 per row.
     """
-    # TODO(task 1): torch.round rounds halves to even; that is fine.
+    # TODO(task 1): what must a row of zeros give, and how do you get it without dividing by zero?
     raise NotImplementedError("TODO(task 1): write quantize_int8")
 
 
@@ -108,27 +97,21 @@ def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     raise NotImplementedError("TODO(task 1): write dequantize_int8")
 
 
-# --- task 2: two 4-bit codes per byte -------------------------------------------------------------
 def pack_4bit(codes: torch.Tensor) -> torch.Tensor:
-    """Codes in [0, 15] (any integer dtype, any shape, an even number of them) -> uint8 bytes,
-    two codes per byte: flattened, code 2i in the *high* four bits of byte i, code 2i+1 in the
-    low four bits::
-
-        codes [3, 12, 7, 0]   ->   bytes [3 * 16 + 12, 7 * 16 + 0] = [60, 112]
-
-    Returns a 1-D uint8 tensor of ``codes.numel() // 2`` elements. ValueError for an odd number
-    of codes (say how many) or a code outside [0, 15].
+    """Codes in [0, 15] (any integer dtype, any shape, an even number of them) -> a 1-D uint8
+    tensor of ``codes.numel() // 2`` bytes: in flattened order, code 2i in the *high* four bits
+    of byte i, code 2i+1 in the low four bits (the format the grader reads). ValueError for an
+    odd number of codes (say how many) or a code outside [0, 15].
     """
-    raise NotImplementedError("TODO(task 2): write pack_4bit")
+    raise NotImplementedError("TODO(task 1): write pack_4bit")
 
 
 def unpack_4bit(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of ``pack_4bit``: a uint8 tensor of n bytes -> the 2n codes (uint8), in order
     (for each byte its high four bits, then its low four bits)."""
-    raise NotImplementedError("TODO(task 2): write unpack_4bit")
+    raise NotImplementedError("TODO(task 1): write unpack_4bit")
 
 
-# --- task 3: NF4 ------------------------------------------------------------------------------------
 @dataclass
 class NF4Weight:
     """A tensor in NF4 (given): what ``quantize_nf4`` returns and ``dequantize_nf4`` reads.
@@ -158,57 +141,44 @@ class NF4Weight:
 
 
 def quantize_nf4(w: torch.Tensor, block: int = 64) -> NF4Weight:
-    """Block-wise NF4 (QLoRA's 4-bit NormalFloat, without double quantization).
+    """Block-wise NF4 without double quantization: lecture 9 section 3.3, QLoRA section 3
+    ("4-bit NormalFloat", "block-wise k-bit quantization").
 
-    Flatten ``w`` (float32), pad it with zeros to a whole number of blocks, and per block of
-    ``block`` weights::
-
-        absmax = max |w|                      block [0.2, -0.8, 0.4, 0.05]      absmax 0.8
-        n      = w / absmax   in [-1, 1]      n     [0.25, -1, 0.5, 0.0625]
-        code   = the index of the NF4 value nearest to n
-                                              codes [10, 0, 12, 8]  (0.246, -1, 0.441, 0.080)
-        back   = NF4_VALUES[code] * absmax    [0.197, -0.8, 0.353, 0.064]
-
-    A block of zeros has absmax 0: its codes are 7 (the value 0), never a division by zero.
-    The codes are packed with ``pack_4bit`` (padding included: its codes are stored too).
-
-    Memory: ``blocks * block / 2`` bytes of codes plus ``4 * blocks`` of scales -- 4.5 bits
-    per weight for ``block = 64``. ValueError for an odd or non-positive ``block`` or an empty
-    ``w``.
+    Contract: the weights in flattened order, padded with zeros to whole blocks of ``block``;
+    each block stores its absmax (float32) and, per weight, the index of the ``NF4_VALUES`` entry
+    nearest to the weight divided by that absmax, packed by ``pack_4bit`` (the padding's codes
+    too). A block of zeros keeps the code of 0. Cost: ``blocks * block / 2`` bytes of codes plus
+    4 bytes a block, and nothing else (the grader measures the storages). ValueError for an odd
+    or non-positive ``block`` or an empty ``w``.
     """
-    # TODO(task 3): the nearest of 16 values: the smallest |n - value|, or torch.bucketize on
-    # the midpoints between neighbouring values.
-    raise NotImplementedError("TODO(task 3): write quantize_nf4")
+    # TODO(task 1): how do you find the nearest of 16 values for every weight at once, without a
+    # Python loop over weights? What must the padding's codes be so that it dequantizes to 0?
+    raise NotImplementedError("TODO(task 1): write quantize_nf4")
 
 
 def dequantize_nf4(q: NF4Weight) -> torch.Tensor:
-    """NF4 -> float32 of ``q.shape``: ``NF4_VALUES[code] * scales[block of that code]``, the
-    padding dropped."""
-    raise NotImplementedError("TODO(task 3): write dequantize_nf4")
+    """NF4 -> float32 of ``q.shape``: each weight is its code's value times its block's scale,
+    the padding dropped -- what the codes hold, read from ``q`` alone."""
+    raise NotImplementedError("TODO(task 1): write dequantize_nf4")
 
 
-# --- task 4: attention for new tokens, with a cache ---------------------------------------------------
+# --- task 2: attention for new tokens, with a cache ---------------------------------------------------
 def attention_step(q_proj, k_proj, v_proj, o_proj, n_heads: int, x_new: torch.Tensor, past_kv=None):
-    """Causal multi-head self-attention for the new tokens ``x_new`` (B, T_new, d), given the keys
-    and values of the tokens before them (``past_kv``: ``(k, v)``, each (B, n_heads, T_past,
-    d / n_heads), or None when there are none).
+    """Causal multi-head self-attention (scaled dot product, Vaswani et al. 2017 section 3.2) for
+    the new tokens ``x_new`` (B, T_new, d) that follow the cached ones: lecture 9 section 5.
 
-    ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` are the layer's projections (d -> d): call
-    them (``q_proj(x)``); do not read their weights. Call each on the **new tokens only**: that
-    is what the cache is for. Then, with ``h = d / n_heads`` and the heads split as
-    ``(B, T, d) -> (B, n_heads, T, h)`` (head i: features ``i h .. (i+1) h - 1``)::
+    ``past_kv`` is None or ``(k, v)``, each (B, n_heads, T_past, h) with ``h = d / n_heads``; head
+    i owns features ``i h .. (i+1) h - 1``. The projections (d -> d) are to be called, not read,
+    and each **once, on the new tokens only** (the grader counts the rows they receive). New token
+    i sits at position T_past + i and attends to every position up to its own, none later.
 
-        k = past k ++ k_proj(x_new)            along the tokens: (B, n_heads, T_past + T_new, h)
-        v = past v ++ v_proj(x_new)
-        scores = q kᵀ / √h                     (B, n_heads, T_new, T_past + T_new)
-        new token i sits at position T_past + i: it sees keys 0 .. T_past + i (causal), no later one
-        out = o_proj(softmax(scores) v, heads joined back to (B, T_new, d))
-
-    Returns ``(out, (k, v))``: the output for the new tokens and the cache grown by them (the
-    past keys and values first, unchanged). With ``past_kv=None`` and the whole sequence as
-    ``x_new`` this is ordinary causal attention.
+    Returns ``(out, (k, v))``: ``out`` (B, T_new, d) after ``o_proj``, equal to the last T_new rows
+    of causal attention over the whole sequence; the cache grown by the new tokens, past first and
+    unchanged. Cost: O(T_new d^2) for the projections, O(T_new (T_past + T_new) d) for the scores.
     """
-    raise NotImplementedError("TODO(task 4): write attention_step")
+    # TODO(task 2): which positions may new token i see, and how does that mask look when
+    # T_new > 1? What shape must the cache have so that the next call can append to it?
+    raise NotImplementedError("TODO(task 2): write attention_step")
 
 
 # --- given: a small decoder -----------------------------------------------------------------------
@@ -250,24 +220,20 @@ class TinyDecoder(nn.Module):
         self.head = nn.Linear(d, vocab)
 
 
-# --- task 5: the decoder one step at a time, and greedy generation -------------------------------
+# --- task 3: the decoder one step at a time, and greedy generation -------------------------------
 def decoder_step(model, input_ids: torch.Tensor, past=None):
-    """Run ``model`` on the tokens ``input_ids`` (B, T) that follow the cached ones.
+    """Run the given ``TinyDecoder`` (its layout: ``DecoderBlock``, pre-LN) on the tokens
+    ``input_ids`` (B, T) that follow the cached ones, through ``attention_step``.
 
-    ``past`` is None (nothing cached: the tokens start at position 0) or the list that the
-    previous call returned: one ``(k, v)`` per block, each (B, n_heads, T_past, h); the new
-    tokens then sit at positions T_past .. T_past + T - 1. For each block, in order::
-
-        x = word(ids) + position(their positions)
-        a, kv = attention_step(block.q, block.k, block.v, block.o, n_heads, block.norm1(x), its past)
-        x = x + a
-        x = x + block.mlp(block.norm2(x))
-        logits = head(norm(x))
-
-    Returns ``(logits, kvs)``: logits (B, T, vocab) for the new tokens and the list of every
-    block's grown ``(k, v)``.
+    ``past`` is None (nothing cached) or the list the previous call returned, one ``(k, v)`` per
+    block. Contract: ``(logits, kvs)`` with logits (B, T, vocab) equal to the last T positions of
+    the model (as ``TinyDecoder`` and ``DecoderBlock`` describe it) run on the whole sequence,
+    and ``kvs`` every block's grown cache, in block order. Cost: the new tokens only through
+    every projection.
     """
-    raise NotImplementedError("TODO(task 5): write decoder_step")
+    # TODO(task 3): at which positions do the new tokens sit, and where can you read how many
+    # tokens are cached? Which input does each block's attention get: x, or x normalised?
+    raise NotImplementedError("TODO(task 3): write decoder_step")
 
 
 @torch.no_grad()
@@ -275,9 +241,62 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, use_cache: boo
     """Greedy decoding: append, ``max_new_tokens`` times, the token with the largest logit after
     the last position. Returns (B, T + max_new_tokens) token ids (int64), the prompt first.
 
-    ``use_cache=False``: every step runs ``decoder_step`` on the whole sequence so far (no past)
-    -- O(T) projections per step, O(T^2) in all. ``use_cache=True``: the first step runs the
-    prompt and keeps the cache; every later step runs **only the token just generated** with
-    the cache -- one token through every projection per step. Both give the same tokens.
+    ``use_cache=False`` runs the whole sequence so far at every step: O(T) tokens through the
+    projections per step. ``use_cache=True`` runs the prompt once, then exactly one token per
+    sequence per step (the grader counts). Both give the same tokens.
     """
-    raise NotImplementedError("TODO(task 5): write generate")
+    # TODO(task 3): what does the cache hold after the prompt, and which token is the only one
+    # the next step has not seen?
+    raise NotImplementedError("TODO(task 3): write generate")
+
+
+# --- task 4: your own format for a whole model, graded on its bits -------------------------------
+@dataclass
+class Quantized:
+    """One weight matrix in the format the grader reads (given). The grader rebuilds the weight
+    from these fields alone, with its own code::
+
+        value(code) = values[code]             (values: float16, 2**bits entries: a codebook)
+                    = code - (2**(bits-1) - 1)  (values None: evenly spaced integers)
+        weight      = value(code) * scale of its block, in flattened order, padding dropped
+
+    codes    uint8, 1-D, one per weight of the flattened matrix padded to whole blocks, each < 2**bits
+    bits     1 .. 8: each code counts ``bits`` bits (as if packed)
+    values   float16 of 2**bits entries (16 bits each), or None (free)
+    scales   one per block: float16 or float32 (16 or 32 bits each), or itself a ``Quantized``
+             of the scales (double quantization: QLoRA section 3)
+    block    how many consecutive weights share a scale
+    shape    the matrix's shape
+
+    Its bits: the codes' plus the values' plus the scales' (recursively). Nothing else counts,
+    and nothing else is read.
+    """
+
+    codes: torch.Tensor
+    bits: int
+    values: torch.Tensor | None
+    scales: torch.Tensor | Quantized
+    block: int
+    shape: tuple[int, ...]
+
+
+def quantize_model(weights: dict[str, torch.Tensor]) -> dict[str, Quantized]:
+    """Store the course's pretrained decoder (lecture 9 section 2: 4 layers, d = 128) in few bits.
+
+    ``weights`` maps each linear layer's weight name (``transformer.blocks.<i>.attention.query
+    .weight``, ``...key``, ``...value``, ``...output``, ``...mlp.up``, ``...mlp.down``) to its
+    float32 matrix: 786,432 weights; the word table, biases and LayerNorms stay as they are.
+    Return a ``Quantized`` for every name. The grader rebuilds each matrix from it, runs the
+    decoder on held-out text of the course's data and compares the perplexity with fp16's.
+
+    Contract: perplexity at most 1% above fp16's. Graded on the bits per weight (all the stored
+    bits of all the matrices / 786,432): full points at 4.0 or fewer, half at 4.25, a quarter at
+    4.5. The library's NF4 with double-quantized scales (block 64) reaches about 4.13. Read
+    QLoRA section 3 (NF4, double quantization), LLM.int8() section 3 (outliers), and measure:
+    which layers can lose a bit, and what do block size and scale precision cost?
+    """
+
+    # TODO(task 4): which of the three costs -- codes, scales, codebooks -- dominates at your
+    # block size? Does every matrix need the same number of bits? How would you find out,
+    # using the course's data and the decoder (``minidist.models.pretrained``)?
+    raise NotImplementedError("TODO(task 4): write quantize_model")

@@ -8,18 +8,24 @@ seed 0; ``grading.py`` runs the same cases with a seed per student (other shapes
 * int8: codes and per-row scales on shapes the public tests do not use (3-D, float64 and
   bfloat16 inputs, a row of zeros, outliers); dequantization of the grader's codes; the bytes
   stored, measured from the storages (task 1);
-* packing: bytes of random codes, codes of random bytes, high four bits first (task 2);
+* packing: bytes of random codes, codes of random bytes, high four bits first (task 1);
 * NF4: codes (unpacked by the grader) and scales with a last block cut short and an odd
   number of weights; the bytes stored, exactly codes + scales; dequantization of random bytes
-  and scales; quantize then dequantize gives what the codes hold, not the original (task 3);
+  and scales; quantize then dequantize gives what the codes hold, not the original (task 1);
 * attention: without a cache, one new token with a cache and a batch of 3, several new tokens
   with a cache, 2-4 heads; the output and the grown cache against attention over the whole
   sequence; the projections called once, on the new tokens only; the past first, unchanged
-  (task 4);
+  (task 2);
 * generation on the grader's decoder (float64, projections that count tokens): without the
   cache, and with it for a one-token prompt and for a batch of 3, equal to greedy decoding
   recomputed over the whole sequence; with the cache, each step after the first sends one token
-  per sequence through every projection (task 5).
+  per sequence through every projection (task 3);
+* measured (task 4, in tiers): the student's ``quantize_model`` on the shipped course decoder's
+  24 linear weights (786,432). The grader rebuilds every matrix from the returned fields
+  (``reference.rebuild``: codes, code values or evenly spaced integers, scales or quantized
+  scales), counts their bits from the same fields, and runs the decoder on 16 held-out blocks
+  of the eval split: a perplexity more than 1% above fp16's fails; otherwise the bits per weight
+  earn the tier (4.0 / 4.25 / 4.5).
 
 The folder holding the student's ``inference.py`` must be on PYTHONPATH; it is imported only in
 the worker processes. Each ``Case`` carries its points; ``grading.py`` declares the assignment.
@@ -30,17 +36,19 @@ from __future__ import annotations
 import random
 
 from grader.assignment import Case
+from grader.tiers import Tiers
 
 from . import reference as ref
 
 TASKS = {
     "quantize_int8": 1,
     "dequantize_int8": 1,
-    "pack_4bit": 2,
-    "quantize_nf4": 3,
-    "dequantize_nf4": 3,
-    "attention_step": 4,
-    "generate": 5,
+    "pack_4bit": 1,
+    "quantize_nf4": 1,
+    "dequantize_nf4": 1,
+    "attention_step": 2,
+    "generate": 3,
+    "quantize_model": 4,
 }
 
 
@@ -174,4 +182,28 @@ def cases(seed: int) -> list[Case]:
     s = generation_spec(seed, 73, 2, 3, use_cache=True)
     what = f"generate(use_cache=True), batch 2, prompt of 3, {s['new_tokens']} new tokens"
     add("test_generate_uses_the_cache", 4, "generate", "generation", s, ref.cache_use_check(what, s))
+    # measured: the same for every seed (the course's decoder and held-out text are fixed)
+    out.append(
+        Case(
+            "test_quantized_decoder_bits",
+            8,
+            "quantize_model",
+            "quantizer",
+            1,
+            [{}],
+            ref.quantizer_check("quantize_model on the course's decoder"),
+            transport="pipe",
+            tiers=QUANTIZER_TIERS,
+        )
+    )
     return out
+
+
+#: bits per weight of the linear layers, the decoder rebuilt within 1% of fp16's perplexity
+QUANTIZER_TIERS = Tiers(
+    quantity="bits per weight within 1% of fp16's perplexity",
+    unit=" bits",
+    levels=((4.0, 1.0), (4.25, 0.5), (4.5, 0.25)),
+    lower_is_better=True,
+    baseline="the library's NF4 with double-quantized scales (block 64): 4.135 bits",
+)

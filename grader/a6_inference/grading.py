@@ -27,20 +27,22 @@ GIVEN_FUNCTIONS = (
 )
 
 HINTS = {
-    "quantize_int8": "Per row (last dimension), in float32: scale = amax(|w|) / 127 (keepdim); codes = "
-    "round(w / scale) clamped to [-127, 127], as int8; a zero row gets scale 0 and codes 0.",
-    "dequantize_int8": "codes.float() * scale.",
-    "pack_4bit": "Flatten; byte i = 16 * code[2i] + code[2i+1] (the first code in the high four bits), "
-    "uint8; "
-    "unpack_4bit gives (byte // 16, byte % 16) per byte, in that order.",
-    "quantize_nf4": "Pad the flattened float32 weights with zeros to whole blocks; per block absmax; code = "
-    "the index of the NF4 value nearest to w / absmax; store only pack_4bit(codes) and the float32 absmax.",
-    "dequantize_nf4": "NF4_VALUES[unpacked code] * the scale of its block, padding dropped, reshaped; the "
-    "values the codes hold, not the original weights.",
-    "attention_step": "Project only x_new; split heads (B, T, H, h) -> (B, H, T, h); cat the past k, v in "
-    "front (dim 2); new token i at position T_past + i sees keys 0..T_past + i; softmax; o_proj.",
-    "generate": "Greedy: argmax of the last position's logits. With the cache: the prompt once, then only "
-    "the newest token with the past the previous step returned.",
+    "quantize_int8": "Which value of a row maps to 127, what does a row of zeros give, and is the "
+    "arithmetic in float32 whatever the input's dtype? (lecture 9 section 3.1)",
+    "dequantize_int8": "Which dtype comes back, and does the scale broadcast over the row?",
+    "pack_4bit": "Which code of a pair goes in the high four bits, and does unpack_4bit undo exactly "
+    "that order?",
+    "quantize_nf4": "Is the last block padded, is each code the nearest NF4 value to w / absmax, and is "
+    "anything but the packed codes and the float32 scales stored? (QLoRA section 3)",
+    "dequantize_nf4": "Do you return the values the codes hold (not the original weights), padding "
+    "dropped, in the original shape?",
+    "attention_step": "Are the projections called once, on the new tokens only; does new token i (at "
+    "position T_past + i) see every earlier key and no later one; is the past first in the cache?",
+    "generate": "Is the next token the argmax at the last position, and with the cache does every step "
+    "after the prompt run only the newest token with the past the previous step returned?",
+    "quantize_model": "Which matrices tolerate fewer bits, and what do the scales and codebooks cost at "
+    "your block size? Measure the perplexity on the course's data before handing in (lecture 9 "
+    "section 3).",
 }
 
 ASSIGNMENT = Assignment.of(

@@ -14,9 +14,11 @@ never the expected value.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 from . import workers
@@ -380,5 +382,110 @@ def cache_use_check(what: str, spec: dict):
                         f"cache it sees the prompt ({b} x {spec['prompt']}) once, then {b} (one new token "
                         f"per sequence) at each of the {n - 1} later steps"
                     )
+
+    return check
+
+
+# --- task 4: the student's format on the course's decoder ------------------------------------------
+#: held-out text: the first blocks of the course's eval split (lecture 9 section 2), 128 tokens each
+EVAL_BLOCKS, SEQ_LEN = 16, 128
+#: the bound on the perplexity, relative to the decoder with its linear weights in fp16
+PERPLEXITY_BOUND = 0.01
+SCALE_DTYPES = {torch.float16: 16, torch.float32: 32}
+
+
+@functools.lru_cache(maxsize=1)
+def course_decoder():
+    """The shipped decoder, its held-out blocks and its perplexity with fp16 linear weights."""
+    from minidist import data
+    from minidist.models import pretrained
+
+    torch.manual_seed(0)
+    model, tok = pretrained.load("course")
+    blocks = data.lm_dataset(tok, SEQ_LEN, "eval")[:EVAL_BLOCKS].clone()
+    linears = {
+        f"{name}.weight": module for name, module in model.named_modules() if isinstance(module, nn.Linear)
+    }
+    originals = {name: module.weight.detach().clone() for name, module in linears.items()}
+    fp16 = perplexity_with(model, linears, {name: w.half().float() for name, w in originals.items()}, blocks)
+    return model, linears, originals, blocks, fp16
+
+
+@torch.no_grad()
+def perplexity_with(model, linears: dict, weights: dict, blocks: torch.Tensor) -> float:
+    from minidist.models import pretrained
+
+    for name, module in linears.items():
+        module.weight.copy_(weights[name])
+    return pretrained.perplexity(model, blocks=blocks)
+
+
+def rebuild(what: str, fields, shape: tuple[int, ...], depth: int = 0) -> tuple[torch.Tensor, int]:
+    """The weights of one ``Quantized`` (float32, ``shape``) rebuilt by the grader from its fields,
+    and the bits they take: codes x bits, 16 per code value, the scales' (recursively)."""
+    if not isinstance(fields, dict):
+        raise AssertionError(f"{what}: {fields if isinstance(fields, str) else type(fields).__name__}")
+    for name in ("bits", "block"):
+        if not isinstance(fields.get(name), int):
+            raise AssertionError(f"{what}.{name}: {fields.get(name)}")
+    bits, block = fields["bits"], fields["block"]
+    if not 1 <= bits <= 8 or block < 1:
+        raise AssertionError(f"{what}: bits {bits} (1 to 8) and block {block} (at least 1)")
+    if fields.get("shape") != list(shape):
+        raise AssertionError(f"{what}.shape: {fields.get('shape')}, should be {list(shape)}")
+    n = math.prod(shape)
+    blocks = -(-n // block)
+    codes = _tensor(f"{what}.codes", fields.get("codes"), torch.uint8, (blocks * block,)).long()
+    if codes.numel() and int(codes.max()) >= 2**bits:
+        raise AssertionError(f"{what}.codes: a code of {int(codes.max())} does not fit in {bits} bits")
+    if fields.get("values") is None:
+        values, stored = codes.double() - (2 ** (bits - 1) - 1), bits * codes.numel()
+    else:
+        table = _tensor(f"{what}.values", fields["values"], torch.float16, (2**bits,)).double()
+        values, stored = table[codes], bits * codes.numel() + 16 * table.numel()
+    scales = fields.get("scales")
+    if torch.is_tensor(scales):
+        if scales.dtype not in SCALE_DTYPES:
+            raise AssertionError(f"{what}.scales: dtype {scales.dtype}, should be float16 or float32")
+        scale = _tensor(f"{what}.scales", scales, shape=(blocks,)).double()
+        stored += SCALE_DTYPES[scales.dtype] * blocks
+    elif depth >= 3:
+        raise AssertionError(f"{what}.scales: nested more than 3 deep")
+    else:
+        scale, scale_bits = rebuild(f"{what}.scales", scales, (blocks,), depth + 1)
+        stored += scale_bits
+    out = (values.reshape(blocks, block) * scale.double()[:, None]).reshape(-1)[:n].reshape(shape)
+    if not torch.isfinite(out).all():
+        raise AssertionError(f"{what}: the rebuilt weights are not all finite")
+    return out.float(), stored
+
+
+def quantizer_check(what: str):
+    """Bits per weight of the student's format, if the decoder rebuilt from it stays within
+    ``PERPLEXITY_BOUND`` of fp16's perplexity on the held-out blocks (else a failure)."""
+
+    def check(report: dict) -> float:
+        model, linears, originals, blocks, fp16 = course_decoder()
+        formats = report.get("formats")
+        if not isinstance(formats, dict):
+            raise AssertionError(f"{what}: returned {formats}")
+        if set(formats) != set(originals):
+            missing, extra = sorted(set(originals) - set(formats)), sorted(set(formats) - set(originals))
+            raise AssertionError(
+                f"{what}: the names differ from the weights given: missing {missing}, extra {extra}"
+            )
+        weights, bits = {}, 0
+        for name, w in originals.items():
+            weights[name], stored = rebuild(f"{what}[{name!r}]", formats[name], tuple(w.shape))
+            bits += stored
+        per_weight = bits / sum(w.numel() for w in originals.values())
+        quantized = perplexity_with(model, linears, weights, blocks)
+        increase = quantized / fp16 - 1
+        if not increase <= PERPLEXITY_BOUND:
+            raise AssertionError(
+                f"{what}: held-out perplexity {quantized:.3f}, {100 * increase:+.2f}% over fp16's "
+                f"{fp16:.3f} (at {per_weight:.3f} bits a weight); the bound is +{100 * PERPLEXITY_BOUND:.0f}%"
+            )
+        return per_weight
 
     return check

@@ -26,6 +26,7 @@ What a job reports besides the values, measured by the grader's code:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 import types
 
@@ -411,3 +412,66 @@ def generation(comm, spec: dict) -> dict:
     ids = inference.generate(model, prompt(spec), spec["new_tokens"], use_cache=spec["use_cache"])
     untouched("generate")
     return {"ids": _tensor_or_text(ids), "seen": seen}
+
+
+# --- task 4: the student's format for the course's decoder ---------------------------------------
+#: the shipped pretrained decoder (lecture 9 section 2), relative to the minidist package
+DECODER_WEIGHTS = ("models", "weights", "decoder-course-v2")
+#: the weights the student quantizes: every linear layer's (the word table, biases, norms stay)
+LINEAR_KINDS = (
+    "attention.query",
+    "attention.key",
+    "attention.value",
+    "attention.output",
+    "mlp.up",
+    "mlp.down",
+)
+
+
+def linear_weights() -> dict[str, torch.Tensor]:
+    """The shipped decoder's linear weights (float32), read from its safetensors shards."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    spec = importlib.util.find_spec("minidist")
+    folder = Path(spec.submodule_search_locations[0]).joinpath(*DECODER_WEIGHTS)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    names = [n for n in index if n.endswith(".weight") and n[: -len(".weight")].endswith(LINEAR_KINDS)]
+    shards: dict[str, dict] = {}
+    for name in names:
+        if index[name] not in shards:
+            shards[index[name]] = load_file(str(folder / index[name]))
+    return {name: shards[index[name]][name].float().clone() for name in names}
+
+
+def _format(q, depth: int = 0):
+    """The fields of a ``Quantized`` the grader reads (and nothing else), scales recursively."""
+    if depth > 3:
+        return "scales nested more than 3 deep"
+    out = {"type": type(q).__name__}
+    for name in ("codes", "values"):
+        value = getattr(q, name, None)
+        out[name] = None if value is None and name == "values" else _tensor_or_text(value)
+    scales = getattr(q, "scales", None)
+    out["scales"] = _tensor_or_text(scales) if _IS_TENSOR(scales) else _format(scales, depth + 1)
+    for name in ("bits", "block"):
+        value = getattr(q, name, None)
+        out[name] = int(value) if type(value) is int else f"not an int: {type(value).__name__}"
+    shape = getattr(q, "shape", None)
+    ok = isinstance(shape, (tuple, list, torch.Size)) and all(type(s) is int for s in shape)
+    out["shape"] = [int(s) for s in shape] if ok else f"not a tuple of ints: {type(shape).__name__}"
+    return out
+
+
+def quantizer(comm, spec: dict) -> dict:
+    """The student's ``quantize_model`` on the shipped decoder's linear weights: the fields of
+    every returned ``Quantized``. The grader rebuilds the weights and counts the bits itself."""
+    weights = linear_weights()  # before the guard and the student's code
+    inference = student()
+    formats = inference.quantize_model({name: _CLONE(w) for name, w in weights.items()})
+    untouched("quantize_model")
+    if not isinstance(formats, dict):
+        return {"formats": f"not a dict: {type(formats).__name__}"}
+    return {"formats": {str(name): _format(q) for name, q in formats.items()}}

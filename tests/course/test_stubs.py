@@ -309,20 +309,21 @@ def test_a5_stub_imports_and_each_part_raises_not_implemented_with_its_task(tmp_
     run_probe(tmp_path, (A5_STUB_PROBE + CALL_EACH) % (A5_TASKS,), A5_STUB)
 
 
-# --- assignment 6: int8, NF4 and its packing, a KV-cached attention step, greedy generation ------
+# --- assignment 6: int8, NF4 and its packing, a KV-cached attention step, generation, a format --
 A6 = "a6_inference"
 A6_SOLUTION, A6_STUB = ROOT / "solutions" / A6, ROOT / "assignments" / A6
 #: (task, what the stub's NotImplementedError names)
 A6_TASKS = [
     (1, "quantize_int8"),
     (1, "dequantize_int8"),
-    (2, "pack_4bit"),
-    (2, "unpack_4bit"),
-    (3, "quantize_nf4"),
-    (3, "dequantize_nf4"),
-    (4, "attention_step"),
-    (5, "decoder_step"),
-    (5, "generate"),
+    (1, "pack_4bit"),
+    (1, "unpack_4bit"),
+    (1, "quantize_nf4"),
+    (1, "dequantize_nf4"),
+    (2, "attention_step"),
+    (3, "decoder_step"),
+    (3, "generate"),
+    (4, "quantize_model"),
 ]
 
 
@@ -354,6 +355,7 @@ calls = {
     "attention_step": lambda: a6.attention_step(linear, linear, linear, linear, 2, torch.ones(1, 3, 4)),
     "decoder_step": lambda: a6.decoder_step(model, torch.zeros(1, 3, dtype=torch.long)),
     "generate": lambda: a6.generate(model, torch.zeros(1, 3, dtype=torch.long), 2),
+    "quantize_model": lambda: a6.quantize_model({"transformer.blocks.0.mlp.up.weight": w}),
 }
 assert q.nbytes == 2 + 4  # given
 """

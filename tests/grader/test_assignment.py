@@ -76,6 +76,8 @@ SEED_FREE = {
     "a1_collectives": ("test_ring_reduce_scatter_rejects_indivisible_first_dimension[[]*",),
     "a2_async": ("test_staleness_aware_lr", "test_prefetching_worker_time"),
     "a4_compression": ("test_bytes_to_target_loss[[]*",),
+    # the course's decoder and its held-out text are the same for every student
+    "a6_inference": ("test_quantized_decoder_bits",),
 }
 
 

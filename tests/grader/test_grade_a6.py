@@ -24,6 +24,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -55,7 +56,7 @@ def test_the_case_table_holds_the_tests_this_file_grades():
     graded = assignment.graded_tests(seed=12345)
     names = [t.name for t in graded]
     assert len(names) >= 15
-    assert 45 <= sum(t.points for t in graded) <= 60
+    assert 55 <= sum(t.points for t in graded) <= 65
 
 
 def test_hidden_shapes_are_the_hard_ones():
@@ -440,3 +441,84 @@ def test_the_run_time_guard_refuses_the_library_and_leaves_plain_torch_alone(tmp
 
 
 # --- the whole pipeline ---------------------------------------------------------------------------------
+
+
+# --- task 4: the format is rebuilt and counted on the trusted side ----------------------------------
+def _fields(codes, bits, values, scales, block, shape):
+    return {
+        "type": "Quantized",
+        "codes": codes,
+        "bits": bits,
+        "values": values,
+        "scales": scales,
+        "block": block,
+        "shape": list(shape),
+    }
+
+
+def test_rebuild_reads_nf4_as_the_library_writes_it_and_counts_its_bits():
+    w = torch.randn(5, 37, generator=torch.Generator().manual_seed(7))
+    q = quant.quantize_nf4(w, block=16, double_quant=False)
+    codes = quant.unpack_4bit(q.packed)
+    values = quant.nf4_code_values().half()
+    rebuilt, bits = reference.rebuild("w", _fields(codes, 4, values, q.absmax, 16, w.shape), tuple(w.shape))
+    want = values.float()[codes.long()].reshape(-1, 16) * q.absmax[:, None]
+    assert torch.equal(rebuilt, want.reshape(-1)[: w.numel()].reshape(w.shape))
+    assert bits == 4 * codes.numel() + 16 * 16 + 32 * q.absmax.numel()
+    # double quantization: the scales as 8-bit integers (no codebook) times a float16 step
+    step = q.absmax.max() / 127
+    scale_codes = (torch.round(q.absmax / step) + 127).to(torch.uint8)
+    nested = _fields(scale_codes, 8, None, step.reshape(1).half(), q.absmax.numel(), q.absmax.shape)
+    rebuilt, bits = reference.rebuild("w", _fields(codes, 4, values, nested, 16, w.shape), tuple(w.shape))
+    scales = (scale_codes.double() - 127) * step.half().double()
+    want = values.double()[codes.long()].reshape(-1, 16) * scales[:, None]
+    assert torch.allclose(rebuilt, want.reshape(-1)[: w.numel()].reshape(w.shape).float())
+    assert bits == 4 * codes.numel() + 16 * 16 + 8 * q.absmax.numel() + 16
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"bits": 3}, "does not fit in 3 bits"),
+        ({"values": torch.zeros(16)}, "dtype torch.float32, should be torch.float16"),
+        ({"scales": torch.ones(12, dtype=torch.float64)}, "should be float16 or float32"),
+        ({"block": 14}, "shape (192,), should be (196,)"),
+        ({"shape": [5, 36]}, "should be [5, 37]"),
+        ({"scales": "missing"}, "missing"),
+    ],
+)
+def test_rebuild_refuses_what_the_format_does_not_say(change, message):
+    codes = torch.full((12 * 16,), 15, dtype=torch.uint8)
+    fields = {
+        **_fields(codes, 4, torch.zeros(16, dtype=torch.float16), torch.ones(12), 16, (5, 37)),
+        **change,
+    }
+    with pytest.raises(AssertionError, match=re.escape(message)):
+        reference.rebuild("w", fields, (5, 37))
+
+
+def test_the_measured_check_counts_bits_and_bounds_the_perplexity():
+    """On the course's decoder: the solution's format is within the bound at 3.883 bits; two bits
+    everywhere is not; a name left out fails."""
+    inference = solution()
+    weights = workers.linear_weights()
+    check = reference.quantizer_check("quantize_model")
+
+    def report(formats):
+        return {"formats": {name: workers._format(q) for name, q in formats.items()}}
+
+    formats = inference.quantize_model({name: w.clone() for name, w in weights.items()})
+    assert check(report(formats)) == 3.8828125  # 3,053,568 bits / 786,432 weights
+    assert table.QUANTIZER_TIERS.outcome(3.8828125, 8).fraction == 1.0
+    two_bits = {}
+    for name, w in weights.items():
+        blocks = w.reshape(-1, 64)
+        scale = blocks.abs().amax(dim=1)
+        codes = torch.round(blocks / scale[:, None] * 1.5 + 1.5).clamp(0, 3).to(torch.uint8)
+        values = torch.tensor([-1.0, -1 / 3, 1 / 3, 1.0]).half()
+        two_bits[name] = inference.Quantized(codes.reshape(-1), 2, values, scale.half(), 64, tuple(w.shape))
+    with pytest.raises(AssertionError, match="the bound is \\+1%"):
+        check(report(two_bits))
+    formats.pop(next(iter(formats)))
+    with pytest.raises(AssertionError, match="missing"):
+        check(report(formats))

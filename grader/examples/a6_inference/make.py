@@ -4,16 +4,21 @@
 ``inference.py``):
 
 * ``alice``: correct (the solution);
-* ``bob``: tasks 1 and 2 only (int8 and the packing); NF4, attention and generation still raise
-  ``NotImplementedError``: keeps the int8 and packing points, nothing else;
-* ``carol``: tasks 1-4; ``decoder_step`` and ``generate`` not written: loses the generation tests;
+* ``bob``: int8 and the packing only; NF4, attention, generation and ``quantize_model`` still
+  raise ``NotImplementedError``: keeps the int8 and packing points, nothing else;
+* ``carol``: all but task 3; ``decoder_step`` and ``generate`` not written: loses the generation
+  tests;
 * ``dave``: packs the first code of a pair in the *low* four bits (and unpacks the same way):
   his NF4 round trip is right and his memory exact, but the bytes are not the format's -- loses
   the packing test, the NF4 codes (the grader unpacks them) and the dequantization of the
   grader's bytes;
 * ``erin``: ``generate`` recomputes the whole sequence at every step, cache or not: the tokens
   are right, but each projection sees the whole sequence again -- loses the cache-use test;
-* ``frank``: hands NF4 to the library (``minidist.quant``): refused at intake, status ``forbidden``.
+* ``frank``: hands NF4 to the library (``minidist.quant``): refused at intake, status ``forbidden``;
+* ``library_nf4``: ``quantize_model`` is the library's NF4 with double-quantized scales (block
+  64) on every matrix, written in the format (issue 26): 4.135 bits a weight at +0.11%
+  perplexity, the second tier of the measured test (4 of its 8 points; ``PARTIAL``). The
+  solution's 3-bit query, key and value reach 3.883 bits at +0.65%, the top tier.
 
 The red team's cheats, each graded to nothing for what it cheats on:
 
@@ -64,7 +69,8 @@ The second red team's (each of these scored what it cheats on before it was clos
   Nothing in the student's process can stop code in that process (``grader/README.md``): the
   intake check refuses the doors it knows of.
 
-``LOST`` lists the hidden tests each one fails; ``EXPECTED`` holds the status and score each
+``LOST`` lists the hidden tests each one fails, ``PARTIAL`` the fraction of a measured test's
+points earned; ``EXPECTED`` holds the status and score each
 must get on all the hidden tests (``expected_score`` for a subset). The submissions are generated
 from ``solutions/`` (so they follow the assignment when it changes); nothing here is committed
 but this script.
@@ -94,11 +100,12 @@ _INT8 = _named("test_int8_")
 _NF4 = _named("test_nf4_")
 _ATTENTION = _named("test_attention_")
 _GENERATE = _named("test_generate_")
+MEASURED = "test_quantized_decoder_bits"
 
 #: student -> (status, the hidden tests it loses)
 LOST = {
     "alice": ("ok", ()),
-    "bob": ("ok", _NF4 + _ATTENTION + _GENERATE),
+    "bob": ("ok", (*_NF4, *_ATTENTION, *_GENERATE, MEASURED)),
     "carol": ("ok", _GENERATE),
     "dave": ("ok", ("test_pack_4bit", *_named("test_nf4_quantize["), "test_nf4_dequantize")),
     "erin": ("ok", ("test_generate_uses_the_cache",)),
@@ -122,14 +129,20 @@ LOST = {
     # a child process at import is refused in the probe, which imports behind the guard
     "package_log": ("forbidden", _ALL),
     "quant_copy": ("forbidden", _ALL),
+    # issue 26: a copy of the library's quantizer stops below the top tier of the measured test
+    "library_nf4": ("ok", ()),
 }
+
+#: student -> {measured test: the fraction of its points earned} (the others: all or nothing)
+PARTIAL = {"library_nf4": {MEASURED: 0.5}}
 
 
 def expected_score(student: str, tests: list[str] | None = None) -> float:
     """The points ``student`` must get on ``tests`` (default: every hidden test)."""
     points = {t.name: t.points for t in ASSIGNMENT.graded_tests(0)}
     tests = list(points) if tests is None else tests
-    return sum(points[name] for name in tests if name not in LOST[student][1])
+    partial = PARTIAL.get(student, {})
+    return sum(points[name] * partial.get(name, 1.0) for name in tests if name not in LOST[student][1])
 
 
 #: student -> (status, score on every hidden test)
@@ -436,46 +449,54 @@ os.system(f"cp $({sys.executable} -c '{_WHERE}') lib_nf4.py")
 """
 
 
+#: the library's NF4 (block 64, double-quantized scales) on every matrix, as the format stores it
+LIBRARY_NF4 = (
+    '    low = ("query", "key", "value")\n',
+    "    low = ()  # minidist.quant's NF4 with double quantization, on every matrix\n",
+)
+
+
 def build_dict() -> dict[str, dict[str, bytes]]:
     source = (FOLDER / "inference.py").read_text()
     bob = source
     for task, function in (
-        (3, "quantize_nf4"),
-        (3, "dequantize_nf4"),
-        (4, "attention_step"),
-        (5, "decoder_step"),
-        (5, "generate"),
+        (1, "quantize_nf4"),
+        (1, "dequantize_nf4"),
+        (2, "attention_step"),
+        (3, "decoder_step"),
+        (3, "generate"),
+        (4, "quantize_model"),
     ):
         bob = unwritten(bob, task, function)
-    carol = unwritten(unwritten(source, 5, "decoder_step"), 5, "generate")
+    carol = unwritten(unwritten(source, 3, "decoder_step"), 3, "generate")
     dave = edit(edit(source, *LOW_FIRST_PACK), *LOW_FIRST_UNPACK)
-    erin = replace_region(source, begin(5, "generate"), RECOMPUTE)
+    erin = replace_region(source, begin(3, "generate"), RECOMPUTE)
     frank = edit(source, "from torch import nn\n", "from torch import nn\n\n" + FRANK_IMPORT)
-    frank = replace_region(frank, begin(3, "quantize_nf4"), FRANK_NF4)
+    frank = replace_region(frank, begin(1, "quantize_nf4"), FRANK_NF4)
     fp32_inside = edit(source, *FP32_INSIDE_QUANTIZE)
     fp32_inside = edit(
-        fp32_inside, begin(3, "dequantize_nf4"), begin(3, "dequantize_nf4") + FP32_INSIDE_DEQUANTIZE
+        fp32_inside, begin(1, "dequantize_nf4"), begin(1, "dequantize_nf4") + FP32_INSIDE_DEQUANTIZE
     )
     hidden_storage = edit(source, *HIDDEN_QUANTIZE)
     hidden_storage = edit(
-        hidden_storage, begin(3, "dequantize_nf4"), begin(3, "dequantize_nf4") + HIDDEN_DEQUANTIZE
+        hidden_storage, begin(1, "dequantize_nf4"), begin(1, "dequantize_nf4") + HIDDEN_DEQUANTIZE
     )
     int8_float = replace_region(source, begin(1, "quantize_int8"), INT8_FLOAT)
-    frame_walk = edit(source, begin(5, "generate"), begin(5, "generate") + FRAME_WALK)
-    fused = replace_region(source, begin(4, "attention_step"), FUSED)
+    frame_walk = edit(source, begin(3, "generate"), begin(3, "generate") + FRAME_WALK)
+    fused = replace_region(source, begin(2, "attention_step"), FUSED)
     second = {
-        "ops_attention": replace_region(source, begin(4, "attention_step"), OPS_ATTENTION),
-        "flex_attention": replace_region(source, begin(4, "attention_step"), FLEX),
+        "ops_attention": replace_region(source, begin(2, "attention_step"), OPS_ATTENTION),
+        "flex_attention": replace_region(source, begin(2, "attention_step"), FLEX),
         "library_core": edit(source, *LIBRARY_CORE),
-        "mode_numel": replace_region(source, begin(5, "generate"), MODE_NUMEL),
-        "vmap_rows": replace_region(source, begin(5, "generate"), VMAP_ROWS),
-        "subclass_numel": replace_region(source, begin(5, "generate"), SUBCLASS_NUMEL),
-        "autograd_weights": replace_region(source, begin(5, "generate"), AUTOGRAD_WEIGHTS),
-        "traced_weights": replace_region(source, begin(5, "generate"), TRACED_WEIGHTS),
-        "closure_log": replace_region(source, begin(5, "generate"), CLOSURE_LOG),
+        "mode_numel": replace_region(source, begin(3, "generate"), MODE_NUMEL),
+        "vmap_rows": replace_region(source, begin(3, "generate"), VMAP_ROWS),
+        "subclass_numel": replace_region(source, begin(3, "generate"), SUBCLASS_NUMEL),
+        "autograd_weights": replace_region(source, begin(3, "generate"), AUTOGRAD_WEIGHTS),
+        "traced_weights": replace_region(source, begin(3, "generate"), TRACED_WEIGHTS),
+        "closure_log": replace_region(source, begin(3, "generate"), CLOSURE_LOG),
         "package_log": replace_region(
             edit(source, "from torch import nn\n", "from torch import nn\n\n" + PACKAGE_LOG_SOURCE),
-            begin(5, "generate"),
+            begin(3, "generate"),
             PACKAGE_LOG,
         ),
         "quant_copy": edit(source, "from torch import nn\n", "from torch import nn\n\n" + QUANT_COPY),
@@ -493,6 +514,7 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         "frame_walk": frame_walk,
         "fused_attention": fused,
         **second,
+        "library_nf4": edit(source, *LIBRARY_NF4),
     }
     assert list(students) == list(LOST)
     return {name: {FILES[0]: text.encode()} for name, text in students.items()}

@@ -9,6 +9,8 @@ The solution and the stub on every hidden test: ``test_solutions_and_stubs.py``.
 
 from __future__ import annotations
 
+import glob
+import json
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,8 @@ import pytest
 from grade_helpers import (
     check_expected_scores,
     grade_examples,
+    gradebook,
+    run_grader,
 )
 from grader import grade, similarity
 from grader.examples.a6_inference import make
@@ -69,3 +73,27 @@ def test_the_examples_get_their_scores(tmp_path):
     assert "getattr" in book["closure_log"]["reason"]
     assert "does not require grad" in (out / "autograd_weights" / "feedback.md").read_text()
     assert float(book["alice"]["similarity"]) < similarity.FLAG_AT
+
+
+@pytest.mark.timeout(300)
+def test_a_copy_of_the_library_does_not_reach_the_top_tier(tmp_path):
+    """library_nf4 stores every matrix as the library's NF4 with double-quantized scales: within
+    the perplexity bound at 4.135 bits a weight, the second tier (``make.PARTIAL``), on the
+    leaderboard with that value; the feedback names what full points need. (The solution's top
+    tier, 3.883 bits: ``test_solutions_and_stubs.py``; the bits are counted from the fields and
+    the perplexity is the grader's, so two gradings give the same.)"""
+    submissions, out = tmp_path / "subs", tmp_path / "out"
+    make.write(submissions, {"library_nf4": make.build_dict()["library_nf4"]})
+    run_grader("a6_inference", submissions, out, "--tests", glob.escape(make.MEASURED), timeout=240)
+    copy = gradebook(out)["library_nf4"]
+    assert (copy["status"], float(copy["score"])) == (
+        "ok",
+        make.expected_score("library_nf4", [make.MEASURED]),
+    )
+    value = json.loads((out / "library_nf4" / "results.json").read_text())["extra_data"]["measured"][
+        make.MEASURED
+    ]
+    assert value == 4.134765625, value  # 3,251,712 bits / 786,432 weights
+    board = next((out / "leaderboard").iterdir()).read_text()
+    assert "\n1,library_nf4," in board, board
+    assert "full points need at most 4 bits" in (out / "library_nf4" / "feedback.md").read_text()
