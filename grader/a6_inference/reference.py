@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 
 import torch
 from torch import nn
@@ -392,6 +393,8 @@ EVAL_BLOCKS, SEQ_LEN = 16, 128
 #: the bound on the perplexity, relative to the decoder with its linear weights in fp16
 PERPLEXITY_BOUND = 0.01
 SCALE_DTYPES = {torch.float16: 16, torch.float32: 32}
+#: the grader checks submissions in threads (``grade.py``): one decoder, its weights set per check
+DECODER_LOCK = threading.Lock()
 
 
 @functools.lru_cache(maxsize=1)
@@ -465,6 +468,10 @@ def quantizer_check(what: str):
     ``PERPLEXITY_BOUND`` of fp16's perplexity on the held-out blocks (else a failure)."""
 
     def check(report: dict) -> float:
+        with DECODER_LOCK:
+            return measure(report)
+
+    def measure(report: dict) -> float:
         model, linears, originals, blocks, fp16 = course_decoder()
         formats = report.get("formats")
         if not isinstance(formats, dict):
