@@ -3,7 +3,9 @@
 The graded tests are the hidden tests with their points; the grader's int8 and NF4
 (``grader/a6_inference/reference.py``) agree with the library's tested ``minidist.quant``, and its
 attention and decoder (recomputed over the whole sequence) with torch's fused attention and with
-the solution; the checks refuse reports that cheat (extra bytes, a view of a larger buffer, the
+the solution; the measured check rebuilds a format from its fields alone as the library's NF4
+would be read, counts its bits, and bounds the perplexity on the course's decoder; the checks
+refuse reports that cheat (extra bytes, a view of a larger buffer, the
 original weights back from a round trip, projections of the whole sequence); the intake check
 and the run time guard refuse the library's and torch's quantization and attention; and the
 example students of ``grader/examples/a6_inference/make.py`` (correct, two partial ones, packing

@@ -4,7 +4,8 @@ One batch on a subset of the hidden tests that tells the examples of
 ``grader/examples/a6_inference/make.py`` apart, both red teams' cheats included (``--jobs 2``, a
 fixed seed key). The grader's int8, NF4, attention and decoder, and the checks that cheats met:
 ``tests/grader/test_grade_a6.py``.
-The solution and the stub on every hidden test: ``test_solutions_and_stubs.py``.
+The solution and the stub on every hidden test: ``test_solutions_and_stubs.py``. The measured
+test (task 4) once more, alone, on the copy of the library's quantizer: the second tier.
 """
 
 from __future__ import annotations
