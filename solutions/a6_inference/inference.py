@@ -5,21 +5,21 @@ A 176B-parameter model is 352 GB in fp16. Two tricks make such a model usable on
 **Quantization** stores each weight as a small integer code plus a floating-point *scale*
 shared by a group of weights, and rebuilds ("dequantizes") the weight when it multiplies: 176B
 weights take 352 GB in fp16, 176 GB in int8 with a scale per row, about 99 GB in NF4 with a scale
-per block of 64 (lecture 9, section 3; Dettmers et al. 2022, LLM.int8(), section 3; Dettmers
+per block of 64 (lecture 9, section 3; Dettmers et al. 2022, LLM.int8(), sections 2.1 and 3; Dettmers
 et al. 2023, QLoRA, section 3).
 
 **A KV cache** keeps the keys and values of the tokens already seen, which do not change, so that
 each generation step projects only the new token: O(T) work per new token instead of O(T^2)
 (lecture 9, section 5; Pope et al. 2022, "Efficiently Scaling Transformer Inference", section 2).
 
-=====  =====================================  =================================================
-task   where                                  what it does
-=====  =====================================  =================================================
-1      ``quantize_int8`` ... ``dequantize_nf4`` int8 per row, 4-bit packing, NF4 per block
-2      ``attention_step``                     causal multi-head attention for new tokens, with a cache
-3      ``decoder_step``/``generate``          the decoder one step at a time; greedy generation
-4      ``quantize_model``                     your own format for a whole model, graded on its bits
-=====  =====================================  =================================================
+=====  ========================================  ===============================================
+task   where                                     what it does
+=====  ========================================  ===============================================
+1      ``quantize_int8`` ... ``dequantize_nf4``  int8 per row, 4-bit packing, NF4 per block
+2      ``attention_step``                        causal attention for new tokens, with a cache
+3      ``decoder_step``/``generate``             the decoder a step at a time; greedy generation
+4      ``quantize_model``                        your own format for a model, graded on its bits
+=====  ========================================  ===============================================
 
 The course library's quantization (``minidist.quant``) and generation (``minidist.models
 .generate``), torch's quantization (``torch.ao``, ``torch.quantize_per_*``), its fused
@@ -80,7 +80,7 @@ NF4_VALUES = (
 # --- task 1: weights in fewer bits: int8 per row, 4-bit packing, NF4 per block -------------------
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric absmax int8 with one scale per row (a row: the last dimension): lecture 9
-    section 3.1, LLM.int8() section 3 ("absmax quantization").
+    section 3.1; LLM.int8() sections 2.1 (absmax) and 3.1 (a scale per row, "vector-wise").
 
     Contract: ``(codes, scale)``, ``codes`` int8 of ``w``'s shape in [-127, 127] (symmetric: -w
     gives -codes), ``scale`` float32 of shape ``(..., 1)`` so that ``codes * scale`` broadcasts
@@ -159,8 +159,8 @@ class NF4Weight:
 
 
 def quantize_nf4(w: torch.Tensor, block: int = 64) -> NF4Weight:
-    """Block-wise NF4 without double quantization: lecture 9 section 3.3, QLoRA section 3
-    ("4-bit NormalFloat", "block-wise k-bit quantization").
+    """Block-wise NF4 without double quantization: lecture 9 section 3.3; QLoRA sections 2
+    ("block-wise k-bit quantization") and 3 ("4-bit NormalFloat").
 
     Contract: the weights in flattened order, padded with zeros to whole blocks of ``block``;
     each block stores its absmax (float32) and, per weight, the index of the ``NF4_VALUES`` entry
@@ -370,7 +370,7 @@ def quantize_model(weights: dict[str, torch.Tensor]) -> dict[str, Quantized]:
     Contract: perplexity at most 1% above fp16's. Graded on the bits per weight (all the stored
     bits of all the matrices / 786,432): full points at 4.0 or fewer, half at 4.25, a quarter at
     4.5. The library's NF4 with double-quantized scales (block 64) reaches about 4.13. Read
-    QLoRA section 3 (NF4, double quantization), LLM.int8() section 3 (outliers), and measure:
+    QLoRA section 3 (NF4, double quantization), LLM.int8() section 3.2 (outliers), and measure:
     which layers can lose a bit, and what do block size and scale precision cost?
     """
 
