@@ -27,7 +27,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-ASSIGNMENTS = ["a1_collectives", "a2_async", "a3_ddp", "a4_compression", "a5_model_parallel", "a6_inference"]
+ASSIGNMENTS = [
+    "a1_collectives",
+    "a2_async",
+    "a3_ddp",
+    "a4_compression",
+    "a5_model_parallel",
+    "a6_inference",
+    "a7_zero",
+]
 #: at least this many public tests per assignment (a stub release that lost a file shows here)
 MIN_PUBLIC = {
     "a1_collectives": 10,
@@ -36,6 +44,7 @@ MIN_PUBLIC = {
     "a4_compression": 8,
     "a5_model_parallel": 7,
     "a6_inference": 8,
+    "a7_zero": 5,
 }
 CHEAT = ROOT / "tests" / "grader" / "a1_cheating"
 
