@@ -8,7 +8,9 @@ worker processes only, afresh at every launch.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 from dataclasses import dataclass
 
 import torch
@@ -183,7 +185,7 @@ def peak_worker(comm, setup: Setup, prefetch: bool = False) -> dict:
     included), so that a gathered unit counts from the moment its allgather is issued."""
     md.allgather, md.reduce_scatter = _at_once(md.allgather), _at_once(md.reduce_scatter)
     zero = importlib.import_module("zero")
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         blocks = make_blocks(setup)
         stack = zero.ShardedStack(blocks, comm, prefetch=prefetch)
         opt = torch.optim.AdamW(stack.parameters(), foreach=False, **ADAMW)
@@ -196,6 +198,19 @@ def peak_worker(comm, setup: Setup, prefetch: bool = False) -> dict:
                 opt.zero_grad()
     psi = sum(shard.numel() * comm.world_size for shard in stack.parameters())
     return {"peak": peak_bytes(prof), "psi": psi}
+
+
+@contextlib.contextmanager
+def _quiet():
+    """File descriptor 2 to /dev/null: the profiler prints a line to it when it starts and stops."""
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def peak_bytes(prof) -> int:
