@@ -99,7 +99,7 @@ def fast_schedule(stages: int, microbatches: int) -> list[list[Action]]:
     microbatch from its forward until its backward is done (both parts, when split).
     ``run_stage`` must run it.
 
-    Measured (the hidden test ``test_fast_schedule``, graded in tiers): your ``run_stage`` runs
+    Measured (a hidden test graded in tiers): your ``run_stage`` runs
     it on 4 stages and 8 microbatches on the grader's stages, which log every forward, B and W as
     it runs and count what each stage holds (more than p: no points). The order they logged is
     timed on the emulated clock, where a forward, a B and a W each take one unit (each does the

@@ -133,8 +133,9 @@ A3_TASKS = [
     (1, "assign_buckets"),
     (2, "_on_gradient_ready"),
     (2, "_launch"),
+    (2, "no_sync"),
     (3, "_finish_backward"),
-    (4, "no_sync"),
+    (4, "tuned_bucket_mb"),
 ]
 
 
@@ -161,6 +162,7 @@ calls = {
     "_launch": lambda: blank._launch(ddp.Bucket.of(0, ["w"], [param])),
     "_finish_backward": lambda: blank._finish_backward(),
     "no_sync": lambda: blank.no_sync().__enter__(),
+    "tuned_bucket_mb": lambda: ddp.tuned_bucket_mb([("w", param)], 1e-3, {"w": 2e-3}, 5e-5, 1.25e8, 2),
 }
 """
 
