@@ -30,6 +30,7 @@ import __future__
 
 import ast
 import importlib
+import importlib.util
 import inspect
 import os
 import pkgutil
@@ -192,13 +193,18 @@ def build(rules, folder: Path) -> list[tuple[str, str]]:
     empty.chmod(0o444)
     overlays: list[tuple[str, str]] = []
     for name in modules:
-        module = importlib.import_module(name)
-        target = getattr(module, "__file__", None)
+        message = guard.refusal_message(name, rules.ALLOWED_INSTEAD)
+        if name.rsplit(".", 1)[-1] == "__main__":  # a package's command line: importing it runs it
+            spec = importlib.util.find_spec(name)
+            target, text = (spec.origin if spec else None), f"raise ImportError({message!r})\n"
+        else:
+            module = importlib.import_module(name)
+            target = getattr(module, "__file__", None)
+            text = stand_in(module, modules, message) if target else ""
         if not target or not target.endswith(".py"):
             continue
-        message = guard.refusal_message(name, rules.ALLOWED_INSTEAD)
         source = folder / f"{name}.py"
-        source.write_text(stand_in(module, modules, message))
+        source.write_text(text)
         source.chmod(0o444)
         target = os.path.realpath(target)
         overlays.append((str(source), target))

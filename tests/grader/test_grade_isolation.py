@@ -13,11 +13,13 @@ import os
 import socket
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
 
 import minidist.parallel.ddp
+import minidist.parallel.offload
 from grader import grade, guard, sandbox, stubs
 from grader.a3_ddp import rules as a3_rules
 
@@ -144,6 +146,18 @@ def test_a_forbidden_module_is_its_stand_in_by_every_route(tmp_path):
     result = run_inside(tmp_path, code, overlays)
     assert result.status == "ok", result.stderr
     assert result.stdout.split("\n")[:2] == ["True 1", f"{guard.MARKER} minidist.parallel.ddp"]
+
+
+def test_a_forbidden_package_with_a_command_line_gets_a_stand_in_without_running_it(tmp_path, capsys):
+    """``minidist.parallel.offload`` has a ``__main__.py``: building the stand-ins must not import
+    (run) it, and its file is covered by one that refuses (a7's helper found the crash)."""
+    rules = types.SimpleNamespace(FORBIDDEN_MODULES=("minidist.parallel.offload",), ALLOWED_INSTEAD="")
+    overlays = dict((t, s) for s, t in stubs.build(rules, tmp_path / "stubs"))
+    main = str(Path(minidist.parallel.offload.__file__).resolve().parent / "__main__.py")
+    assert main in overlays and "minidist.parallel.offload.__main__" not in sys.modules
+    stand_in = Path(overlays[main]).read_text()
+    assert stand_in.startswith("raise ImportError(") and guard.MARKER in stand_in
+    assert not capsys.readouterr().out  # the command line printed nothing: it did not run
 
 
 @pytest.mark.timeout(400)
