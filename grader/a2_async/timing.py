@@ -25,9 +25,10 @@ the next batch's rows before computing the current one hides it.
 
 from __future__ import annotations
 
+from minidist.transport.emulated import ETHERNET_10G
+
 #: the emulated worker: a 10 Gbit/s link and a compute speed per pair of the batch
-ALPHA = 15e-6  # seconds per message
-BANDWIDTH = 1.25e9  # bytes per second
+ALPHA, BANDWIDTH = ETHERNET_10G
 PAIR_SECONDS = 10e-6  # seconds of gradient computation per pair
 INT64, FLOAT32 = 8, 4
 
