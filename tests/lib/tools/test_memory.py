@@ -7,6 +7,8 @@ table (ZeRO, Table 1), published parameter counts, or a published FLOP count.
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import torch
 from torch import nn
@@ -85,9 +87,12 @@ def test_rss_reads_proc():
         pytest.skip("/proc/self/clear_refs not writable here")
     before = memory.rss_bytes()
     assert memory.peak_rss_bytes() >= before > 0
-    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    # 64 MiB of fresh anonymous pages, every one touched (an allocator could hand back memory
+    # that an earlier test freed and that is still resident: then RSS would not move)
+    big = mmap.mmap(-1, 64 * 2**20)
+    big.write(b"\1" * len(big))
     assert memory.rss_bytes() - before > 48 * 2**20
-    del big
+    big.close()
     assert memory.peak_rss_bytes() - before > 48 * 2**20
 
 
