@@ -80,8 +80,9 @@ MEASURED = "test_bytes_to_target_loss[2-pipe]"
 def test_a_copy_of_the_library_does_not_reach_the_top_tier(tmp_path):
     """olga hands in the library's DGC with its default hook: about 370x fewer bytes than dense to
     the target loss, the second tier (``make.PARTIAL``), on the leaderboard with that value;
-    the feedback names what full points need. (The solution's top tier, and the same value in a
-    second grading: ``test_solutions_and_stubs.py``.)"""
+    the feedback names what full points need. (The solution's top tier:
+    ``test_solutions_and_stubs.py``; the bytes are the transport's and the loss is replayed from
+    the logged payloads, so the value does not depend on the load: held to the stored one.)"""
     submissions, out = tmp_path / "subs", tmp_path / "out"
     make.write(submissions, {"olga": make.build_dict()["olga"]})
     run_grader(

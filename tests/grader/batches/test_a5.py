@@ -82,8 +82,8 @@ def test_the_examples_get_their_scores(tmp_path):
 def test_the_measured_schedules_get_their_tiers(tmp_path):
     """The measured test alone (``make.TIERED``): the solution's zero-bubble schedule at the top tier,
     1F1B with each backward split at once in the middle, a copy of the library's 1F1B at the
-    lowest, GPipe over the memory cap nothing; each value in the leaderboard. (The solution's
-    measured test graded a second time, the same: ``test_solutions_and_stubs.py``.)"""
+    lowest, GPipe over the memory cap nothing; each value in the leaderboard. (The order is
+    timed on the trusted side in units, so each value equals the stored one under any load.)"""
     submissions, out = tmp_path / "subs", tmp_path / "out"
     make.write(submissions, make.build_tiered_dict())
     selection = [arg for name in make.TIERED_NAMES for arg in ("--tests", name.replace("[", "[[]"))]

@@ -41,6 +41,9 @@ def test_the_examples_get_their_scores(tmp_path):
         measured[student] = results["extra_data"]["measured"]["test_peak_memory[2-shm]"]
     # the solution below the library's copy, the hoard above it: what each holds, not what it says
     assert measured["alice"] < measured["lena"] < measured["hoarder"], measured
+    # counted from the allocator's events, not timed: the values stored where they were written
+    stored = {"alice": 1.537, "lena": 1.806, "hoarder": 1.954}  # peak / (16 Psi / N)
+    assert {student: round(value, 3) for student, value in measured.items()} == stored, measured
     lines = (out / "leaderboard" / "test_peak_memory_2-shm.csv").read_text().splitlines()
     rows = [line.split(",") for line in lines if not line.startswith("#")]
     # carol pads nothing, and the measured stack needs no padding: her stack is the solution's

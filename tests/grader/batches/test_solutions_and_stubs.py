@@ -7,16 +7,15 @@ stub with NotImplementedError naming its TODO(task N). a2's batch (``test_a2.py`
 solution and stub on every test beside its examples, so it is not graded again here.
 
 Every assignment has measured tests graded in tiers (``grader/tiers.py``, issue 26): the solution
-reaches the top tier of each (it earns every point), and a second grading of its measured tests
-(``--force``, the same seed key, the other batches loading the machine) measures the same values
-and gives the same points: nothing measured depends on the machine's load.
+reaches the top tier of each (it earns every point) and heads each measured test's leaderboard.
+That a measured value does not depend on the machine's load is checked in each batch
+(``test_aN.py``): an example's measured value is held to the one stored where it was written,
+measured under another load.
 """
 
 from __future__ import annotations
 
-import glob
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -24,8 +23,6 @@ import pytest
 from grade_helpers import (
     check_full_marks_and_zero,
     grade_solution_and_stub,
-    gradebook,
-    run_grader,
     sandbox_processes,
 )
 from grader import grade
@@ -35,30 +32,13 @@ ASSIGNMENTS = ["a1_collectives", "a3_ddp", "a4_compression", "a5_model_parallel"
 EVERY_ASSIGNMENT = sorted([*ASSIGNMENTS, "a2_async"])
 
 
-def measured_results(out: Path, student: str) -> tuple[dict, dict]:
-    """A student's measured values and the points of its measured tests, from its results.json."""
-    data = json.loads((out / student / "results.json").read_text())
-    values = data["extra_data"]["measured"]
-    return values, {t["name"]: t["score"] for t in data["tests"] if t["name"] in values}
-
-
-def regrade_measured(name: str, out: Path) -> None:
-    """The solution's measured tests graded again into ``out``: the same values and points."""
+def check_measured(name: str, out: Path) -> None:
+    """Every measured test of the solution has a value, and one leaderboard each, the solution on it."""
     measured = [case.name for case in grade.load_assignment(name).measured()]
-    first = measured_results(out, "solution")
-    assert sorted(first[0]) == sorted(measured) and all(v is not None for v in first[0].values()), first
-    shutil.rmtree(out / "stub", ignore_errors=True)
-    submissions = out.parent / "again"
-    shutil.rmtree(submissions, ignore_errors=True)
-    (submissions / "solution").mkdir(parents=True)
-    for student_file in grade.load_assignment(name).student_files:
-        shutil.copy(ROOT / "solutions" / name / student_file, submissions / "solution" / student_file)
-    selection = [arg for test in measured for arg in ("--tests", glob.escape(test))]
-    run_grader(name, submissions, out, "--jobs", "2", "--force", *selection, timeout=600)
-    assert measured_results(out, "solution") == first
-    boards = sorted((out / "leaderboard").iterdir())  # one per measured test, the solution on each
+    values = json.loads((out / "solution" / "results.json").read_text())["extra_data"]["measured"]
+    assert sorted(values) == sorted(measured) and all(v is not None for v in values.values()), values
+    boards = sorted((out / "leaderboard").iterdir())
     assert len(boards) == len(measured) and all("\n1,solution," in p.read_text() for p in boards)
-    assert gradebook(out)["solution"]["status"] == "ok"
 
 
 @pytest.mark.timeout(1000)
@@ -66,7 +46,7 @@ def regrade_measured(name: str, out: Path) -> None:
 def test_the_solution_scores_full_marks_and_the_stub_zero_on_every_test(name, tmp_path):
     out, book = grade_solution_and_stub(name, tmp_path)
     check_full_marks_and_zero(name, out, book)
-    regrade_measured(name, out)
+    check_measured(name, out)
     assert not sandbox_processes(), "a process of the sandbox outlived its grading"
 
 
