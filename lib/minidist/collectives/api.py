@@ -10,7 +10,7 @@ agreement between the ranks through a *signature* (``signature.py``): a checksum
 of the operation, shape, dtype, op, root and algorithm that every message of
 the collective carries as its tag, so a disagreement raises ``MessageMismatch``
 naming the ranks, at the first message. The algorithms (``rooted``, ``ring``,
-``butterfly``) only move and combine data.
+``butterfly``, ``all_to_all``) only move and combine data.
 
 One speed path: on a communicator with a ``shared_workspace`` (the shm
 transport), ``allreduce`` runs ``shm_allreduce``, which sends no messages at all;
@@ -32,9 +32,10 @@ import torch
 from ..comm import Communicator
 from ..errors import MessageMismatch
 from . import cost_model
+from .all_to_all import all_to_all_equal, all_to_all_split
 from .async_ops import CollectiveWork, run_collective
 from .butterfly import butterfly_allreduce_
-from .checks import _agree_on_root, _check, _check_root, _describe, _explained
+from .checks import _agree_on_root, _check, _check_root, _check_split, _describe, _explained
 from .ops import Flat, check_op, chunk_bounds, finish_
 from .ring import ring_allgather_, ring_reduce_scatter_
 from .rooted import star_broadcast, star_reduce, tree_broadcast, tree_reduce
@@ -264,6 +265,72 @@ def _reduce_scatter(comm: Communicator, tensor: torch.Tensor, op: str) -> torch.
         raise _explained("reduce_scatter", error) from error
     lo, hi = bounds[comm.rank]
     return finish_(work[lo:hi].clone(), op, p).view(rows, *tensor.shape[1:])
+
+
+def all_to_all(
+    comm: Communicator,
+    tensor: torch.Tensor | list[torch.Tensor],
+    recv_sizes: list[int] | None = None,
+    async_op: bool = False,
+) -> torch.Tensor | list[torch.Tensor] | CollectiveWork:
+    """Send piece j to rank j; piece i of the result came from rank i (module ``all_to_all``).
+
+    * ``tensor`` of shape (world_size, *chunk): row j goes to rank j; returns a new
+      tensor of the same shape whose row i is rank i's row ``rank``.
+    * a list of world_size tensors (any first dimension each; the same trailing shape
+      and dtype everywhere): tensor j goes to rank j; returns a list of new tensors,
+      entry i from rank i. The receivers learn the sizes from one exchange of counts
+      (p-1 messages of 8 bytes) unless ``recv_sizes`` gives them (entry i: the first
+      dimension rank i sends here; then no exchange).
+
+    Pairwise exchange: p-1 messages per rank (p-1 more for the counts), bytes sent =
+    everything but the own piece, (p-1)/p of the input for the equal form; the input
+    is not modified. ``async_op=True``: returns a ``CollectiveWork`` whose ``wait()``
+    returns the result.
+    """
+    if isinstance(tensor, (list, tuple)):
+        sizes = _check_split(comm, tensor, recv_sizes)
+        body = functools.partial(_all_to_all_split, comm, list(tensor), sizes)
+        name = lambda: f"all_to_all(list of {len(tensor)}, {_describe(tensor[comm.rank])})"  # noqa: E731
+        return run_collective(comm, name, body, async_op)
+    _check(comm, tensor, "all_to_all")
+    p = comm.world_size
+    if tensor.dim() == 0 or tensor.shape[0] != p:
+        raise ValueError(
+            f"all_to_all sends row j of a (world_size, *chunk) tensor to rank j, but the tensor has "
+            f"shape {tuple(tensor.shape)} and world_size={p}: reshape it to ({p}, ...), or pass a list "
+            "of world_size tensors for uneven pieces"
+        )
+    if recv_sizes is not None:
+        raise ValueError(
+            "recv_sizes is for the list form (uneven pieces); the (world_size, ...) form needs none"
+        )
+    body = functools.partial(_all_to_all, comm, tensor)
+    return run_collective(comm, lambda: f"all_to_all({_describe(tensor)})", body, async_op)
+
+
+def _all_to_all(comm: Communicator, tensor: torch.Tensor) -> torch.Tensor:
+    try:
+        return all_to_all_equal(comm, tensor, signature_tag("all_to_all", tensor))
+    except MessageMismatch as error:
+        raise _explained("all_to_all", error) from error
+
+
+def _all_to_all_split(comm: Communicator, tensors: list[torch.Tensor], recv_sizes) -> list[torch.Tensor]:
+    mine = tensors[comm.rank]
+    # the ranks must agree on the trailing shape, the dtype and whether the sizes are exchanged
+    like = torch.empty((0, *mine.shape[1:]), dtype=mine.dtype, device="meta")
+    tag = signature_tag("all_to_all_split", like, "given" if recv_sizes is not None else "exchanged")
+    try:
+        return all_to_all_split(comm, tensors, recv_sizes, tag)
+    except MessageMismatch as error:
+        raise _explained("all_to_all", error, SPLIT_ADVICE) from error
+
+
+SPLIT_ADVICE = (
+    "Every rank must pass the same form (a list of world_size tensors) with the same trailing "
+    "shape and dtype, and all pass recv_sizes or none; recv_sizes[i] must be the rows rank i sends."
+)
 
 
 def barrier(comm: Communicator) -> None:

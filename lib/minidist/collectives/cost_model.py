@@ -10,6 +10,9 @@ on the critical path and the bytes in them predicts its time (p ranks)::
     butterfly  2 log2(q) alpha + 2 (q-1)/q n beta + (q-1)/q n gamma
                (+ 2 (alpha + n beta) + n gamma when p is not a power of two q)
 
+    all_to_all (p-1) (alpha + n/p beta)     pairwise exchange; n = this rank's whole input
+               (the list form with sizes exchanged: + (p-1) (alpha + 8 beta))
+
 Small messages: latency terms dominate, few rounds win (tree, butterfly).
 Large messages: bandwidth terms dominate, few bytes win (ring, butterfly). The
 *crossover* sizes, where the best algorithm changes, follow from the model;
@@ -44,11 +47,14 @@ DEFAULTS = {
 
 
 def predict(algorithm: str, p: int, nbytes: float, model: AlphaBeta) -> float:
-    """Predicted seconds for an allreduce of ``nbytes`` on ``p`` ranks."""
+    """Predicted seconds for an allreduce of ``nbytes`` on ``p`` ranks (or, with
+    ``algorithm="all_to_all"``, an all-to-all of ``nbytes`` per rank: p pieces of n/p)."""
     a, b, g = model.alpha, model.beta, model.gamma
     n = float(nbytes)
     if p == 1:
         return 0.0
+    if algorithm == "all_to_all":
+        return (p - 1) * (a + n / p * b)
     if algorithm == "star":
         return 2 * (p - 1) * (a + n * b) + (p - 1) * n * g
     if algorithm == "tree":
@@ -62,7 +68,7 @@ def predict(algorithm: str, p: int, nbytes: float, model: AlphaBeta) -> float:
         if q != p:
             t += 2 * (a + n * b) + n * g
         return t
-    raise ValueError(f"no cost formula for {algorithm!r}; choose one of {ALGORITHMS}")
+    raise ValueError(f"no cost formula for {algorithm!r}; choose one of {ALGORITHMS} or 'all_to_all'")
 
 
 def fastest_allreduce(p: int, nbytes: float, model: AlphaBeta | None = None) -> str:
@@ -86,10 +92,15 @@ def bytes_sent(algorithm: str, p: int, rank: int, numel: int, itemsize: int) -> 
 
     The textbook formulas (ring: 2(p-1)/p n) hold up to the rounding of n/p to
     whole elements; this function follows the implementation's chunking exactly.
+    ``"all_to_all"`` (``numel``: the whole (p, *chunk) input): (p-1)/p of it, exactly.
     """
     n = numel * itemsize
     if p == 1:
         return 0
+    if algorithm == "all_to_all":
+        if numel % p:
+            raise ValueError(f"an all_to_all input has p={p} equal rows; numel={numel} is not divisible by p")
+        return (p - 1) * (numel // p) * itemsize
     if algorithm == "star":
         return (p - 1) * n if rank == 0 else n
     if algorithm == "tree":
@@ -117,6 +128,15 @@ def bytes_sent(algorithm: str, p: int, rank: int, numel: int, itemsize: int) -> 
             distance //= 2
         return total * itemsize + (n if rank < 2 * extra else 0)
     raise ValueError(f"no byte formula for {algorithm!r}")
+
+
+def all_to_all_split_bytes(send_rows, rank: int, row_bytes: int, sizes_given: bool = False) -> int:
+    """Payload bytes rank ``rank`` sends in the list form of all_to_all: every piece but its
+    own (``send_rows[j]`` rows of ``row_bytes`` bytes to rank j), plus one int64 count to
+    each other rank unless the receivers were given the sizes (``recv_sizes=``)."""
+    p = len(send_rows)
+    data = sum(rows for j, rows in enumerate(send_rows) if j != rank) * row_bytes
+    return data + (0 if sizes_given else 8 * (p - 1))
 
 
 def tree_sends(p: int, rank: int, reduce: bool, root: int = 0) -> int:

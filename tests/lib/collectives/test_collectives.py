@@ -283,6 +283,7 @@ def _disagreements():
             two(transport, "reduce", {"dst": 0, "algorithm": algorithm}, {"dst": 1, "algorithm": algorithm})
         two(transport, "allgather", {"shape": (4,)}, {"shape": (5,)})
         two(transport, "reduce_scatter", {"shape": (4,)}, {"shape": (6,)})
+        two(transport, "all_to_all", {"shape": (2, 3)}, {"shape": (2, 4)})
     two("shm", "reduce", {"op": "sum"}, {"op": "max"})
     two("pipe", "broadcast", {"algorithm": "star"}, {"algorithm": "tree"})
     two("pipe", "reduce_scatter", {"op": "sum"}, {"op": "max"})
