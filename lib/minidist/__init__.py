@@ -37,7 +37,16 @@ The GloVe track is imported on its own: ``from minidist import glove``.
 """
 
 from . import collectives
-from .collectives import allgather, allreduce, barrier, broadcast, cost_model, reduce, reduce_scatter
+from .collectives import (
+    all_to_all,
+    allgather,
+    allreduce,
+    barrier,
+    broadcast,
+    cost_model,
+    reduce,
+    reduce_scatter,
+)
 from .comm import CommStats, Communicator, CommView, Handle, Work
 from .errors import LaunchTimeout, MessageMismatch, PeerError, WorkerError
 from .exercise import exercise, switched_off
@@ -48,6 +57,7 @@ from .transport import TRANSPORTS, PipeComm, ShmComm, TorchComm
 __version__ = "0.1.0"
 
 __all__ = [
+    "all_to_all",
     "allgather",
     "allreduce",
     "barrier",
