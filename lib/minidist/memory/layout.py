@@ -1,0 +1,306 @@
+"""Choosing a layout: every DP x TP x PP x CP x EP x ZeRO split of a cluster, priced and ranked.
+
+    plans = enumerate_layouts(decoder.CONFIGS["gpt3-175b"], h100_cluster(nodes=128), Batch(1536, 2048))
+    best = next(p for p in plans if p.fits)      # ranked: layouts that fit first, then by step time
+    best.layout, best.step_s, best.parts, best.memory["total"]
+
+For each layout ``predict`` says the bytes a device holds (``memory.estimate``, plus the experts
+of a MoE) and the seconds of a step (``step_time``: compute from FLOPs, every message by
+alpha-beta). Ranks are numbered with TP innermost, then CP, DP (EP inside DP), PP outermost, so
+a group's span -- and with it its link, ``Cluster.link`` -- is:
+
+    TP  t          CP  t c          DP (and EP)  t c d          PP  the whole layout
+
+Two thresholds the students meet, from the same formulas:
+
+* ``dp_critical_tokens``: data parallelism hides its allreduce behind backward while each
+  device's batch exceeds C/W tokens (Austin et al., "How to Scale Your Model", part 5, "Data
+  Parallelism": B/X > C/W_ici; 2,550 for TPU v5p, C = 4.6e14 and W = 2 x 9e10);
+* ``tp_collapse_factor``: TP across nodes pays the bandwidth ratio of the links (NVLink over
+  InfiniBand: 450/50 = 9, times (15/16)/(7/8) for 16 ranks against 8).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+
+from minidist.memory import step_time as st
+from minidist.memory.cluster import Batch, Cluster
+from minidist.memory.model_states import PRECISIONS, stage_parameter_count
+from minidist.memory.per_rank import estimate
+from minidist.models.transformer import TransformerConfig
+
+__all__ = [
+    "Layout",
+    "MoE",
+    "Prediction",
+    "dp_critical_tokens",
+    "enumerate_layouts",
+    "padded_vocabulary",
+    "predict",
+    "stage_flops_per_token",
+    "tp_collapse_factor",
+]
+
+
+@dataclass(frozen=True)
+class MoE:
+    """Every block's MLP becomes ``num_experts`` experts, each token routed to ``top_k`` of them."""
+
+    num_experts: int
+    top_k: int = 2
+
+
+@dataclass(frozen=True)
+class Layout:
+    """dp x tp x pp x cp devices; ep divides dp (experts split over part of the data-parallel
+    group, as in DeepSpeed-MoE and Megatron-Core); ``microbatch`` sequences a pipeline microbatch."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    microbatch: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def __str__(self) -> str:
+        parts = [f"{k.upper()}{v}" for k, v in (("dp", self.dp), ("tp", self.tp), ("pp", self.pp),
+                                                ("cp", self.cp), ("ep", self.ep)) if v > 1]  # fmt: skip
+        name = "x".join(parts) or "1 device"
+        return name + (f" ZeRO-{self.zero}" if self.zero else "")
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A layout priced: bytes a device holds, whether it fits, seconds a step and their parts
+    (compute, bubble, tp, cp, ep, pp_p2p, dp: they add up to ``step_s``)."""
+
+    layout: Layout
+    memory: dict[str, int]
+    fits: bool
+    step_s: float
+    parts: dict[str, float] = field(default_factory=dict)
+    tokens_per_s: float = 0.0
+
+
+def _moe_of(cfg: TransformerConfig, moe: MoE | None) -> MoE | None:
+    if moe is not None:
+        return moe
+    experts = getattr(cfg, "num_experts", 0) or 0  # a MoE decoder config, when models has one
+    return MoE(experts, getattr(cfg, "top_k", 2)) if experts > 1 else None
+
+
+def _mlp_params(cfg: TransformerConfig) -> int:
+    d, f = cfg.hidden_size, cfg.ffn_size
+    return 2 * d * f + f + d
+
+
+def stage_flops_per_token(
+    cfg: TransformerConfig, seq: int, pp: int = 1, stage: int = 0, moe: MoE | None = None
+) -> float:
+    """Training FLOPs per token of pipeline stage ``stage`` (forward + backward, 6 per active weight):
+
+        layers  n_layers/pp x [6 (4d^2 + 8d + k (2df + f + d) + dE) + 12 s d]   (k = 1, no router
+                                                                               for a dense model)
+        last    + 6 V d  (the output layer: the tied word table as a matmul)
+        first   + 6 x (position table + segments + LayerNorms): what ``flops_per_token`` counts
+
+    Summed over the stages of a dense model this is ``memory.flops_per_token(cfg, seq)``."""
+    moe = _moe_of(cfg, moe)
+    d = cfg.hidden_size
+    k, router = (moe.top_k, d * moe.num_experts) if moe else (1, 0)
+    block = 4 * d * d + 8 * d + k * _mlp_params(cfg) + router  # Q, K, V, out (+ biases), 2 LayerNorms
+    flops = cfg.n_layers // pp * (6 * block + 12 * seq * d)
+    if stage == pp - 1:
+        flops += 6 * cfg.vocab_size * d + (12 * d if cfg.pre_ln else 0)
+    if stage == 0:
+        rest = cfg.type_vocab_size * d + (cfg.max_positions * d if cfg.position == "learned" else 0)
+        flops += 6 * (rest + (2 * d if cfg.embedding_layernorm else 0))
+    return float(flops)
+
+
+def _expert_extra(cfg: TransformerConfig, moe: MoE | None, layout: Layout) -> int:
+    """Parameters a device holds beyond the one MLP a block of ``estimate`` counts: its E/ep
+    experts (split by tp) instead of one, and the router."""
+    if moe is None:
+        return 0
+    per_layer = (moe.num_experts // layout.ep - 1) * _mlp_params(
+        cfg
+    ) // layout.tp + cfg.hidden_size * moe.num_experts
+    return cfg.n_layers // layout.pp * per_layer
+
+
+def _memory(
+    cfg, batch: Batch, layout: Layout, precision: str, moe: MoE | None, recompute: str
+) -> dict[str, int]:
+    """``estimate`` of the fuller of the first and last stage, plus the extra experts (model
+    states sharded by ZeRO over their data-parallel group, dp x cp / ep)."""
+    micro = layout.microbatch if layout.pp > 1 else batch.sequences // layout.dp
+    best = None
+    for stage in {0, layout.pp - 1}:
+        mem = estimate(cfg, batch=micro, seq=batch.seq // layout.cp, zero_stage=layout.zero,
+                       dp=layout.dp * layout.cp, tp=layout.tp, pp=layout.pp, stage=stage,
+                       precision=precision, recompute=recompute)  # fmt: skip
+        if best is None or mem["total"] > best["total"]:
+            best = mem
+    extra = _expert_extra(cfg, moe, layout)
+    if extra:
+        group = max(1, layout.dp * layout.cp // layout.ep)
+        shard = -(-extra // group)
+        for key, nbytes, stage in zip(("params", "grads", "optimizer"), PRECISIONS[precision], (3, 2, 1)):
+            add = nbytes * (shard if layout.zero >= stage else extra)
+            best[key] += add
+            best["total"] += add
+    return best
+
+
+def predict(
+    cfg: TransformerConfig,
+    cluster: Cluster,
+    batch: Batch,
+    layout: Layout,
+    *,
+    precision: str = "mixed",
+    moe: MoE | None = None,
+    dp_overlap: float = 1.0,
+    recompute: str = "none",
+) -> Prediction:
+    """Memory per device and seconds per step of ``layout`` (see the module and ``step_time``).
+
+    ``precision`` "mixed" (16-bit activations and gradients, 16 bytes a parameter of states)
+    or "fp32" (our CPU runs). ``dp_overlap`` is the fraction of backward the gradient
+    synchronisation can hide behind when pp = 1 (DDP's buckets); with a pipeline it runs after
+    the flush (our executor, and Megatron's default), hidden behind nothing."""
+    moe = _moe_of(cfg, moe)
+    cfg = padded_vocabulary(cfg, layout.tp)
+    e = 2 if precision == "mixed" else 4
+    dp, tp, pp, cp, ep = layout.dp, layout.tp, layout.pp, layout.cp, layout.ep
+    m = batch.sequences // dp // layout.microbatch if pp > 1 else 1
+    micro = layout.microbatch if pp > 1 else batch.sequences // dp
+    tokens = micro * batch.seq / cp  # one device's tokens in one microbatch
+    rate, d = cluster.flops_per_s, cfg.hidden_size
+    layers = cfg.n_layers // pp
+    link_tp, link_cp, link_dp = cluster.link(tp), cluster.link(tp * cp), cluster.link(tp * cp * dp)
+    link_ep, link_pp = cluster.link(tp * cp * ep), cluster.link(layout.devices)
+    stages = []
+    for stage in range(pp):
+        compute = st.compute_s(stage_flops_per_token(cfg, batch.seq, pp, stage, moe) * tokens / tp, rate)
+        tp_s = st.tensor_parallel_s(tokens, d, layers, tp, e, link_tp)
+        attention = st.compute_s(layers * 12 * batch.seq * d * tokens / tp, rate)
+        cp_s = st.exposed_s(st.context_parallel_s(tokens, d, layers, cp, tp, e, link_cp), attention)
+        ep_s = st.expert_parallel_s(tokens, d, layers if moe else 0, ep, moe.top_k if moe else 1, e, link_ep)
+        grads = stage_parameter_count(cfg, tp=tp, pp=pp, stage=stage) * e
+        dp_s = st.data_parallel_s(grads, dp * cp, link_dp, layout.zero)
+        if moe:
+            expert_grads = layers * (moe.num_experts // ep) * _mlp_params(cfg) // tp * e
+            dp_s += st.data_parallel_s(expert_grads, max(1, dp * cp // ep), link_dp, layout.zero)
+        hide = 0.0 if pp > 1 else dp_overlap * compute * (1.0 if layout.zero == 3 else 2 / 3)
+        stages.append(dict(compute=compute, tp=tp_s, cp=cp_s, ep=ep_s, dp=st.exposed_s(dp_s, hide)))
+    slots = [s["compute"] + s["tp"] + s["cp"] + s["ep"] for s in stages]
+    path = st.pipeline_s(slots, m)
+    slowest = stages[max(range(pp), key=lambda s: slots[s])]
+    parts = {k: m * slowest[k] for k in ("compute", "tp", "cp", "ep")}
+    parts["bubble"] = path - m * max(slots)
+    parts["pp_p2p"] = st.pipeline_p2p_s(tokens, d, pp, e, link_pp)
+    parts["dp"] = max(s["dp"] for s in stages)
+    step = sum(parts.values())
+    memory = _memory(cfg, batch, layout, precision, moe, recompute)
+    fits = memory["total"] <= cluster.memory_bytes
+    return Prediction(layout, memory, fits, step, parts, batch.tokens / step)
+
+
+def padded_vocabulary(cfg: TransformerConfig, tp: int) -> TransformerConfig:
+    """``cfg`` with its vocabulary rounded up to a multiple of tp (what Megatron does before it
+    splits the word table: GPT-3's 50,257 words become 50,264 for tp = 8)."""
+    vocab = -(-cfg.vocab_size // tp) * tp
+    return cfg if vocab == cfg.vocab_size else dataclasses.replace(cfg, vocab_size=vocab)
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def enumerate_layouts(
+    cfg: TransformerConfig,
+    cluster: Cluster,
+    batch: Batch,
+    *,
+    precision: str = "mixed",
+    moe: MoE | None = None,
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3),
+    microbatch: int = 1,
+    dp_overlap: float = 1.0,
+    recompute: str = "none",
+) -> list[Prediction]:
+    """Every layout with dp x tp x pp x cp = ``cluster.devices``, priced by ``predict``, ranked:
+    those that fit in memory first, each group by predicted step time.
+
+    Kept: tp divides the heads and the MLP width (the vocabulary is padded: ``padded_vocabulary``);
+    pp divides the layers; cp divides the sequence; dp divides the global batch (with pp > 1,
+    dp x microbatch divides it); ep > 1 only for a MoE, dividing dp and the experts;
+    ZeRO > 0 only with a data-parallel group (dp x cp > 1)."""
+    moe = _moe_of(cfg, moe)
+    n = cluster.devices
+    plans = []
+    for tp, pp, cp in itertools.product(_divisors(n), repeat=3):
+        if n % (tp * pp * cp):
+            continue
+        dp = n // (tp * pp * cp)
+        if cfg.n_heads % tp or cfg.ffn_size % tp or cfg.n_layers % pp:
+            continue
+        if batch.seq % cp or batch.sequences % (dp * (microbatch if pp > 1 else 1)):
+            continue
+        eps = [ep for ep in _divisors(dp) if moe and moe.num_experts % ep == 0] or [1]
+        for ep, zero in itertools.product(eps, zero_stages):
+            if zero and dp * cp == 1:
+                continue
+            layout = Layout(dp, tp, pp, cp, ep, zero, microbatch)
+            plans.append(predict(cfg, cluster, batch, layout, precision=precision, moe=moe,
+                                 dp_overlap=dp_overlap, recompute=recompute))  # fmt: skip
+    return sorted(plans, key=lambda p: (not p.fits, p.step_s))
+
+
+def dp_critical_tokens(
+    cluster: Cluster | None = None,
+    *,
+    flops_per_s: float | None = None,
+    bandwidth_Bps: float | None = None,
+    grad_bytes: int = 2,
+    ranks: int | None = None,
+) -> float:
+    """Tokens per device above which data parallelism's allreduce hides behind backward.
+
+    Backward costs 4 N b / C (b tokens on the device, C FLOP/s); the ring allreduce of the
+    gradients 2 (q-1)/q x g N / W (alpha left out). Equal at
+
+        b* = (q-1)/q x g/2 x C / W       -> C / W for 16-bit gradients and many ranks
+
+    Austin et al., "How to Scale Your Model" (2025), part 5, "Data Parallelism": compute-bound
+    while B/X > C/W_ici; for TPU v5p (C = 4.6e14, W = 2 x 9e10 over a bidirectional ICI ring)
+    "at least 2,550". ``cluster`` gives C = peak x mfu and W = its inter-node link; or pass
+    them. ``ranks`` None means many (the factor (q-1)/q -> 1)."""
+    c = flops_per_s if flops_per_s is not None else cluster.flops_per_s
+    w = bandwidth_Bps if bandwidth_Bps is not None else cluster.inter.bandwidth_Bps
+    ring = 1.0 if ranks is None else (ranks - 1) / ranks
+    return ring * grad_bytes / 2 * c / w
+
+
+def tp_collapse_factor(cluster: Cluster, inside: int | None = None, across: int | None = None) -> float:
+    """How much longer TP's allreduces take on ``across`` ranks spanning nodes than on ``inside``
+    ranks within one node, for the same tokens (alpha left out; ``tensor_parallel_s``):
+
+        [(T-1)/T / W_inter] / [(t-1)/t / W_intra]
+
+    8 H100s on NVLink (450 GB/s) against 16 on two nodes' 400 Gbit/s NICs (50 GB/s):
+    9 x (15/16)/(7/8) = 9.64. The reason every recipe keeps TP inside a node (Narayanan et al.
+    2021, sec. 3.3: "tensor model parallelism within a server")."""
+    t = inside or cluster.devices_per_node
+    big = across or 2 * t
+    return ((big - 1) / big / cluster.inter.bandwidth_Bps) / ((t - 1) / t / cluster.intra.bandwidth_Bps)
