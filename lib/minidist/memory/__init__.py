@@ -20,6 +20,8 @@ splits the layers. Activations depend on the batch, the sequence and the recompu
                    (our dropout-free model, exactly)
     per_rank       ``estimate(cfg, batch=, seq=, zero_stage=, dp=, tp=, pp=, recompute=,
                    sequence_parallel=)``: bytes per rank -- params, grads, optimizer, activations, total
+    context_parallel  ``ring_attention_saved_bytes(b, a, s, d, cp)`` (what ring attention keeps
+                   per rank: 1/cp), ``activation_bytes_per_layer_cp(s, b, h, a, cp, tp)`` (a layer)
     flops          ``flops_per_token(cfg, seq)``, ``training_days(cfg, tokens, n_devices, peak_flops,
                    utilisation)``
 
@@ -49,6 +51,7 @@ from minidist.memory.activations import (
     block_activation_bytes,
     decoder_activation_bytes,
 )
+from minidist.memory.context_parallel import activation_bytes_per_layer_cp, ring_attention_saved_bytes
 from minidist.memory.flops import flops_per_token, training_days
 from minidist.memory.model_states import PRECISIONS, stage_parameter_count, zero_table
 from minidist.memory.per_rank import estimate
@@ -62,6 +65,8 @@ __all__ = [
     "activation_bytes_per_layer",
     "block_activation_bytes",
     "decoder_activation_bytes",
+    "activation_bytes_per_layer_cp",
+    "ring_attention_saved_bytes",
     "flops_per_token",
     "training_days",
     "build_on_meta",
