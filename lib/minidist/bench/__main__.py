@@ -36,7 +36,7 @@ def main(argv=None) -> None:
     start.add_argument("--out", default=None)
     start.add_argument("--no-plot", action="store_true")
     coll = sub.add_parser(
-        "collectives", help="allreduce: every algorithm x transport vs torch.distributed gloo"
+        "collectives", help="allreduce (every algorithm) and all-to-all x transport vs torch.distributed gloo"
     )
     coll.add_argument("--world-size", type=int, default=2)
     coll.add_argument("--max-size", type=parse_size, default=256 * MIB)

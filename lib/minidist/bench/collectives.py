@@ -1,4 +1,5 @@
-"""Allreduce benchmark: every algorithm on every transport vs torch.distributed gloo.
+"""Allreduce benchmark: every algorithm on every transport vs torch.distributed gloo
+(and all-to-all beside gloo's ``all_to_all_single``: ``bench.all_to_all``).
 
     python -m minidist.bench collectives --world-size 2 [--max-size 256MiB]
 
@@ -83,6 +84,14 @@ def allreduce_worker(
     return out
 
 
+def _worker(comm: Communicator, algorithms, sizes, repeats: int, with_gloo: bool, scale: float) -> tuple:
+    """One launch per transport measures both collectives: (allreduce, all_to_all) seconds."""
+    from .all_to_all import all_to_all_worker
+
+    allreduce = allreduce_worker(comm, algorithms, sizes, repeats, with_gloo, scale)
+    return allreduce, all_to_all_worker(comm, sizes, repeats, with_gloo, scale)
+
+
 def run(
     world_size: int = 2,
     max_size: int = 256 * MIB,
@@ -98,16 +107,21 @@ def run(
     if "torch" not in transports:
         transports = (*transports, "torch")
     seconds: dict[str, dict[int, float]] = {}
+    a2a_seconds: dict[str, dict[int, float]] = {}
     for transport in transports:
         print(f"measuring {transport} ...", flush=True)
         algorithms = TRANSPORT_ALGORITHMS[transport]
-        outs = md.launch(
-            allreduce_worker,
+        both = md.launch(
+            _worker,
             world_size,
             args=(algorithms, sizes, repeats, transport == "torch", scale),
             transport=transport,
             timeout=3000,
         )
+        outs = [allreduce for allreduce, _ in both]
+        for name in both[0][1]:  # all_to_all: the slowest rank's time, like the allreduce
+            key = name if name.startswith("gloo") else f"{name}/{transport}"
+            a2a_seconds[key] = {s: max(o[1][name][s] for o in both) for s in sizes}
         for name in outs[0]:
             per_size = {s: max(o[name][s] for o in outs) for s in sizes}
             if name == "memcpy":
@@ -148,6 +162,10 @@ def run(
         title="memory-copy ceiling: every rank copies S bytes once, all at the same time "
         "(the least any in-place allreduce must do); ceiling busbw = 2(p-1)/p * S / t_memcpy",
     )
+    from .all_to_all import report
+
+    a2a_seconds = {k: a2a_seconds[k] for k in sorted(a2a_seconds, key=lambda k: (k.startswith("gloo"), k))}
+    report(a2a_seconds, sizes, world_size)
     goals = _goals(seconds, sizes, world_size)
     crossings = _crossovers(seconds, sizes, world_size, transports)
     directory = out_dir(out)
@@ -161,6 +179,7 @@ def run(
             "memcpy_seconds": {str(s): v for s, v in memcpy.items()},
             "goals": goals,
             "crossovers": crossings,
+            "all_to_all": {k: {str(s): v for s, v in d.items()} for k, d in a2a_seconds.items()},
         },
     )
     if plot:
@@ -172,6 +191,7 @@ def run(
         "memcpy_seconds": memcpy,
         "goals": goals,
         "crossovers": crossings,
+        "all_to_all": a2a_seconds,
     }
 
 

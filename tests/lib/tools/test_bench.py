@@ -83,6 +83,13 @@ def test_collectives_benchmark_reports_every_algorithm_against_gloo(tmp_path):
         report = data["crossovers"][transport]
         assert len(report["measured_best"]) == len(report["predicted_best"]) == 3
         assert report["alpha_us"] > 0 and report["beta_GBps"] > 0
+    # all_to_all: every form on every transport beside gloo's all_to_all_single, equal and uneven
+    a2a = data["all_to_all"]
+    forms = {f"{f}/{t}" for f in ["equal", "split", "counts"] for t in ["shm", "pipe", "torch"]}
+    assert set(a2a) == forms | {"gloo equal", "gloo split"}
+    for per_size in a2a.values():
+        assert set(per_size) == {"1024", "4096", "16384"} and all(0 < t < 10 for t in per_size.values())
+    assert "all_to_all of float32" in out and "all_to_all_single" in out
 
 
 def test_glove_benchmark_reports_every_trainer_against_single(tmp_path):
