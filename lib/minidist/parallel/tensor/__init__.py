@@ -27,6 +27,8 @@ The package, one idea per module, in reading order:
                    autograd functions; ``count_collectives(comm)`` counts them
     layers.py      ColumnParallelLinear, RowParallelLinear, and the MLP and attention built from them
     vocab.py       the vocabulary split: VocabParallelEmbedding, vocab_parallel_cross_entropy
+    sequence.py    sequence parallelism: LayerNorms and residuals on S/p tokens, g-bar (all-gather)
+                   and g-bar^T (reduce-scatter) in place of f and g; ``count_sequence_collectives``
     traffic.py     tp_traffic_formula: collectives and bytes per step of a tensor-parallel decoder
 
 It takes plain sizes and imports no model; ``minidist.models.tp_decoder`` builds a decoder from
@@ -48,6 +50,17 @@ from .operators import (
     reset_collective_counts,
     scatter_to_tensor_parallel,
 )
+from .sequence import (
+    SequenceParallelLayerNorm,
+    check_sequence_divisible,
+    count_sequence_collectives,
+    gather_and_linear,
+    gather_from_sequence_parallel,
+    reduce_scatter_to_sequence_parallel,
+    reset_sequence_collective_counts,
+    scatter_to_sequence_parallel,
+    sum_grads_over_tensor_parallel,
+)
 from .traffic import allreduce_bytes, tp_traffic_formula
 from .vocab import IGNORE_INDEX, VocabParallelEmbedding, vocab_parallel_cross_entropy
 
@@ -57,9 +70,18 @@ __all__ = [
     "ParallelMLP",
     "ParallelSelfAttention",
     "RowParallelLinear",
+    "SequenceParallelLayerNorm",
     "VocabParallelEmbedding",
     "allreduce_bytes",
     "check_divisible",
+    "check_sequence_divisible",
+    "count_sequence_collectives",
+    "gather_and_linear",
+    "gather_from_sequence_parallel",
+    "reduce_scatter_to_sequence_parallel",
+    "reset_sequence_collective_counts",
+    "scatter_to_sequence_parallel",
+    "sum_grads_over_tensor_parallel",
     "copy_to_tensor_parallel",
     "count_collectives",
     "gather_from_tensor_parallel",

@@ -22,6 +22,7 @@ from .operators import (
     reduce_from_tensor_parallel,
     scatter_to_tensor_parallel,
 )
+from .sequence import gather_and_linear, reduce_scatter_to_sequence_parallel, sum_grads_over_tensor_parallel
 
 __all__ = [
     "ColumnParallelLinear",
@@ -97,13 +98,18 @@ class RowParallelLinear(nn.Module):
     Input: this rank's d_in/p features (``input_is_parallel=True``, e.g. the output of a
     ColumnParallelLinear), or the full x, of which the rank keeps its slice. Each rank computes
     the partial sum x_r A_rᵀ; g adds them up (one allreduce), then the replicated bias is added
-    once (adding it before g would count it p times).
+    once (adding it before g would count it p times). ``sequence_parallel=True``: g-bar^T
+    (a reduce-scatter along the sequence) in place of g; the output is this rank's S/p tokens,
+    the bias is added to them only, so its gradient is summed over the ranks (an allreduce of
+    d_out numbers in backward).
     """
 
-    def __init__(self, d_in, d_out, comm: Communicator, bias=True, input_is_parallel=True):
+    def __init__(
+        self, d_in, d_out, comm: Communicator, bias=True, input_is_parallel=True, sequence_parallel=False
+    ):
         super().__init__()
         self.comm, self.d_in, self.d_out = comm, d_in, d_out
-        self.input_is_parallel = input_is_parallel
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         local = check_divisible(d_in, "d_in", comm)
         self.weight = nn.Parameter(torch.empty(d_out, local, device=comm.device))
         self.bias = nn.Parameter(torch.zeros(d_out, device=comm.device)) if bias else None
@@ -121,8 +127,16 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel(x, self.comm)
-        y = reduce_from_tensor_parallel(F.linear(x, self.weight), self.comm)
-        return y if self.bias is None else y + self.bias
+        reduce = (
+            reduce_scatter_to_sequence_parallel if self.sequence_parallel else reduce_from_tensor_parallel
+        )
+        y = reduce(F.linear(x, self.weight), self.comm)
+        if self.bias is None:
+            return y
+        bias = self.bias
+        if self.sequence_parallel:  # seen by S/p tokens here: the gradient is a sum over the ranks
+            (bias,) = sum_grads_over_tensor_parallel(self.comm, bias)
+        return y + bias
 
     def extra_repr(self) -> str:
         return (
@@ -135,13 +149,24 @@ class ParallelMLP(nn.Module):
 
     One f on the way in, one g on the way out: 1 allreduce forward, 1 backward.
     Parameters ``up.weight/bias``, ``down.weight/bias`` as in ``transformer.MLP``.
+    ``sequence_parallel=True``: input and output are this rank's S/p tokens, g-bar (all-gather)
+    in place of f and g-bar^T (reduce-scatter) in place of g (``sequence``; ``keep_gathered``
+    is ``gather_and_linear``'s).
     """
 
-    def __init__(self, d: int, ffn: int, comm: Communicator) -> None:
+    def __init__(
+        self,
+        d: int,
+        ffn: int,
+        comm: Communicator,
+        sequence_parallel: bool = False,
+        keep_gathered: bool = False,
+    ) -> None:
         super().__init__()
         check_divisible(ffn, "ffn (intermediate size)", comm)
+        self.comm, self.sequence_parallel, self.keep_gathered = comm, sequence_parallel, keep_gathered
         self.up = ColumnParallelLinear(d, ffn, comm)
-        self.down = RowParallelLinear(ffn, d, comm)
+        self.down = RowParallelLinear(ffn, d, comm, sequence_parallel=sequence_parallel)
 
     def load_dense(self, dense: nn.Module) -> None:
         """``dense`` has ``up`` and ``down`` Linears (``minidist.models.transformer.MLP``)."""
@@ -149,7 +174,11 @@ class ParallelMLP(nn.Module):
         self.down.load_dense(dense.down.weight, dense.down.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.gelu(self.up(x)))
+        if self.sequence_parallel:
+            (up,) = gather_and_linear(x, [(self.up.weight, self.up.bias)], self.comm, self.keep_gathered)
+        else:
+            up = self.up(x)
+        return self.down(F.gelu(up))
 
 
 class ParallelSelfAttention(nn.Module):
@@ -162,11 +191,21 @@ class ParallelSelfAttention(nn.Module):
 
     f is applied once for the three projections (so backward does one allreduce, not three).
     ``bias`` broadcasts to (B, H, T, T) as in ``transformer.MultiHeadSelfAttention``; a bias with
-    a head dimension of H (ALiBi) is cut to this rank's heads.
+    a head dimension of H (ALiBi) is cut to this rank's heads. ``sequence_parallel=True``: x and
+    the output are this rank's S/p tokens; one g-bar (all-gather) for Q, K, V in place of f, and
+    g-bar^T (reduce-scatter) in place of g (``sequence``).
     """
 
-    def __init__(self, d: int, n_heads: int, comm: Communicator) -> None:
+    def __init__(
+        self,
+        d: int,
+        n_heads: int,
+        comm: Communicator,
+        sequence_parallel: bool = False,
+        keep_gathered: bool = False,
+    ) -> None:
         super().__init__()
+        self.sequence_parallel, self.keep_gathered = sequence_parallel, keep_gathered
         if d % n_heads:
             raise ValueError(f"hidden size {d} is not divisible by n_heads {n_heads}")
         self.comm, self.n_heads, self.head_dim = comm, n_heads, d // n_heads
@@ -179,7 +218,7 @@ class ParallelSelfAttention(nn.Module):
         self.query = ColumnParallelLinear(d, d, comm, copy_input=False)
         self.key = ColumnParallelLinear(d, d, comm, copy_input=False)
         self.value = ColumnParallelLinear(d, d, comm, copy_input=False)
-        self.output = RowParallelLinear(d, d, comm)
+        self.output = RowParallelLinear(d, d, comm, sequence_parallel=sequence_parallel)
 
     def load_dense(self, dense: nn.Module) -> None:
         """``dense`` has ``query``, ``key``, ``value``, ``output`` Linears (``MultiHeadSelfAttention``)."""
@@ -201,12 +240,17 @@ class ParallelSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         batch, seq_len, _ = x.shape
-        x = copy_to_tensor_parallel(x, self.comm)
 
         def heads(t: torch.Tensor) -> torch.Tensor:
             return t.view(batch, seq_len, self.local_heads, self.head_dim).transpose(1, 2)
 
-        q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
+        if self.sequence_parallel:
+            seq_len *= self.comm.world_size
+            pairs = [(layer.weight, layer.bias) for layer in (self.query, self.key, self.value)]
+            q, k, v = map(heads, gather_and_linear(x, pairs, self.comm, self.keep_gathered))
+        else:
+            x = copy_to_tensor_parallel(x, self.comm)
+            q, k, v = heads(self.query(x)), heads(self.key(x)), heads(self.value(x))
         scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)  # (B, H/p, T, T)
         bias = self.local_bias(bias)
         if bias is not None:

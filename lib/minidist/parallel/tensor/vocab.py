@@ -15,6 +15,7 @@ from torch import nn
 from ...comm import Communicator
 from .layers import _copy_shard, check_divisible
 from .operators import _allreduce, reduce_from_tensor_parallel
+from .sequence import reduce_scatter_to_sequence_parallel
 
 __all__ = ["IGNORE_INDEX", "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
 
@@ -27,11 +28,14 @@ class VocabParallelEmbedding(nn.Module):
     Each rank looks up the ids it owns and writes zeros for the others; g sums the ranks'
     results, so every position ends with exactly one non-zero contribution: 1 allreduce forward,
     none backward (each rank's rows get the gradient of the ids they own).
+    ``sequence_parallel=True``: g-bar^T (reduce-scatter along the sequence) in place of g, so the
+    output is this rank's S/p tokens; 1 reduce-scatter forward, 1 all-gather backward.
     """
 
-    def __init__(self, vocab: int, d: int, comm: Communicator) -> None:
+    def __init__(self, vocab: int, d: int, comm: Communicator, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.comm, self.vocab, self.d = comm, vocab, d
+        self.sequence_parallel = sequence_parallel
         local = check_divisible(
             vocab, "vocab size", comm, hint="pad the vocabulary to a multiple of the degree"
         )
@@ -47,7 +51,10 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.start) | (ids >= self.end)
         local_ids = (ids - self.start).masked_fill(outside, 0)
         x = F.embedding(local_ids, self.weight).masked_fill(outside[..., None], 0.0)
-        return reduce_from_tensor_parallel(x, self.comm)
+        reduce = (
+            reduce_scatter_to_sequence_parallel if self.sequence_parallel else reduce_from_tensor_parallel
+        )
+        return reduce(x, self.comm)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
