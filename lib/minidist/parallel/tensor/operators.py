@@ -14,7 +14,8 @@ MLP). ``count_collectives(comm)`` counts them where they are issued.
 A second pair moves a tensor between "split along the last dimension" and "whole": gather
 (allgather forward, keep my slice backward) and scatter (keep my slice forward, allgather
 backward). The layers (``layers``, ``vocab``) call only these four functions, so every
-collective of tensor parallelism is issued, and counted, in this file.
+collective of tensor parallelism is issued, and counted, in this file -- except sequence
+parallelism's all-gathers and reduce-scatters (g-bar, g-bar^T), issued and counted in ``sequence``.
 """
 
 from __future__ import annotations
