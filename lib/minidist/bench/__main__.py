@@ -1,4 +1,4 @@
-"""``python -m minidist.bench {p2p,launch,collectives,glove,ddp,...,swarm}``: see each module."""
+"""``python -m minidist.bench {p2p,launch,collectives,all_to_all,glove,ddp,...,swarm}``: see each module."""
 
 from __future__ import annotations
 
@@ -45,6 +45,15 @@ def main(argv=None) -> None:
     coll.add_argument("--scale", type=float, default=1.0, help="multiply the iteration counts")
     coll.add_argument("--out", default=None)
     coll.add_argument("--no-plot", action="store_true")
+    a2a = sub.add_parser(
+        "all_to_all", help="all-to-all (equal, uneven) x transport vs gloo all_to_all_single"
+    )
+    a2a.add_argument("--world-size", type=int, default=2)
+    a2a.add_argument("--max-size", type=parse_size, default=4 * MIB)
+    a2a.add_argument("--transports", nargs="+", default=["shm", "pipe", "torch"])
+    a2a.add_argument("--repeats", type=int, default=3)
+    a2a.add_argument("--scale", type=float, default=1.0, help="multiply the iteration counts")
+    a2a.add_argument("--out", default=None)
     glove = sub.add_parser("glove", help="every GloVe trainer with 1 and 2 workers: pairs/s, loss, quality")
     glove.add_argument("--corpus", default="full", help="full (default), leads, articles or small")
     glove.add_argument("--epochs", type=int, default=15)
@@ -76,6 +85,9 @@ def main(argv=None) -> None:
     from . import model_parallel as model_parallel_bench  # its own arguments and main
 
     model_parallel_bench.add_parser(sub)
+    from . import layout as layout_bench  # its own arguments and main
+
+    layout_bench.add_parser(sub)
     args, rest = parser.parse_known_args(argv)
     if args.bench == "large_batch":  # its own options: python -m minidist.bench large_batch --help
         from . import large_batch as bench
@@ -92,6 +104,8 @@ def main(argv=None) -> None:
         return averaging_bench.main(args)
     if args.bench == "model_parallel":
         return model_parallel_bench.main(args)
+    if args.bench == "layout":
+        return layout_bench.main(args)
     if args.bench == "ddp":
         from . import ddp as bench
 
@@ -110,6 +124,11 @@ def main(argv=None) -> None:
 
         trainers = tuple(args.trainers) if args.trainers else tuple(bench.TRAINERS)
         bench.run(args.corpus, args.epochs, tuple(args.workers), trainers, args.out, not args.no_plot)
+        return
+    if args.bench == "all_to_all":
+        from . import all_to_all as bench
+
+        bench.run(args.world_size, args.max_size, tuple(args.transports), args.repeats, args.out, args.scale)
         return
     if args.bench == "collectives":
         from . import collectives as bench

@@ -1,6 +1,8 @@
 """All-to-all benchmark: ours (pairwise exchange, every transport) vs torch.distributed gloo.
 
-Part of ``python -m minidist.bench collectives``: the same launches as the allreduce
+    python -m minidist.bench all_to_all --world-size 4 [--max-size 4MiB]
+
+Also part of ``python -m minidist.bench collectives``: the same launches as the allreduce
 rows measure these, on the same sizes (S = the bytes each rank sends *and keeps*,
 its whole input). What gloo offers for all-to-all (torch 2.13):
 
@@ -21,6 +23,9 @@ Rows (float32; "x gloo" = gloo's time / ours, against the gloo row of the same f
 
 Uneven pieces: rank r sends rank j a share proportional to 1 + (r+j) mod p of its S bytes.
 busbw = algbw (p-1)/p (nccl-tests' all-to-all convention: the own piece does not move).
+
+``run`` also times the equal form over an emulated 10 Gbit/s link (``ETHERNET_10G``) and
+prints it beside the cost model's (p-1)(alpha + beta S/p): measure, model, reconcile.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import Communicator
-from ._util import human_bytes, print_table
+from ._util import KIB, MIB, human_bytes, out_dir, print_table, save_json, size_range
 
 FORMS = ("equal", "split", "counts")
 
@@ -96,3 +101,95 @@ def report(seconds: dict[str, dict[int, float]], sizes, world_size: int) -> list
         "with split sizes; its list all_to_all needs equal sizes)",
     )
     return rows
+
+
+def emulated_worker(comm: Communicator, sizes, repeats: int) -> dict[int, float]:
+    """Seconds per equal all-to-all over an emulated 10 Gbit/s link wrapping ``comm``."""
+    import minidist as md
+    from minidist.transport.emulated import ETHERNET_10G, EmulatedLinkComm
+
+    from .collectives import _time
+
+    slow = EmulatedLinkComm(comm, *ETHERNET_10G)
+    p = comm.world_size
+    out = {}
+    for size in sizes:
+        t = torch.zeros(p, max(size // 4 // p, 1))
+        out[size] = _time(lambda: md.all_to_all(slow, t), comm.barrier, 3, repeats)
+    return out
+
+
+def run(
+    world_size: int = 2,
+    max_size: int = 4 * MIB,
+    transports=("shm", "pipe", "torch"),
+    repeats: int = 3,
+    out: str | None = None,
+    scale: float = 1.0,
+) -> dict:
+    import minidist as md
+
+    sizes = size_range(KIB, max_size)
+    if "torch" not in transports:
+        transports = (*transports, "torch")  # gloo's rows
+    seconds: dict[str, dict[int, float]] = {}
+    for transport in transports:
+        print(f"measuring {transport} ...", flush=True)
+        outs = md.launch(
+            all_to_all_worker,
+            world_size,
+            args=(sizes, repeats, transport == "torch", scale),
+            transport=transport,
+            timeout=3000,
+        )
+        for name in outs[0]:
+            key = name if name.startswith("gloo") else f"{name}/{transport}"
+            seconds[key] = {s: max(o[name][s] for o in outs) for s in sizes}
+    seconds = {k: seconds[k] for k in sorted(seconds, key=lambda k: (k.startswith("gloo"), k))}
+    report(seconds, sizes, world_size)
+    emulated_sizes = [s for s in (64 * KIB, MIB, 4 * MIB) if s <= max_size] or [max_size]
+    outs = md.launch(
+        emulated_worker, world_size, args=(emulated_sizes, repeats), transport="shm", timeout=600
+    )
+    emulated = reconcile(outs, world_size)
+    save_json(
+        out_dir(out),
+        f"all_to_all_p{world_size}",
+        {
+            "world_size": world_size,
+            "sizes": sizes,
+            "seconds": {k: {str(s): v for s, v in d.items()} for k, d in seconds.items()},
+            "emulated": {str(s): v for s, v in emulated.items()},
+        },
+    )
+    return {"sizes": sizes, "seconds": seconds, "emulated": emulated}
+
+
+def reconcile(outs: list[dict[int, float]], world_size: int) -> dict[int, dict[str, float]]:
+    """The emulated link's times (``emulated_worker``, one dict per rank; the slowest rank
+    counts) beside ``cost_model.predict("all_to_all", ...)`` for the same link; printed."""
+    from ..collectives import cost_model
+    from ..transport.emulated import ETHERNET_10G
+
+    model = cost_model.AlphaBeta(alpha=ETHERNET_10G.alpha_s, beta=1 / ETHERNET_10G.bandwidth_Bps)
+    emulated = {}
+    for size in outs[0]:
+        measured = max(o[size] for o in outs)
+        predicted = cost_model.predict("all_to_all", world_size, size, model)
+        emulated[size] = {"measured_s": measured, "predicted_s": predicted}
+    print()
+    print_table(
+        ["size", "measured us", "predicted us", "measured / predicted"],
+        [
+            [
+                human_bytes(s),
+                v["measured_s"] * 1e6,
+                v["predicted_s"] * 1e6,
+                v["measured_s"] / v["predicted_s"],
+            ]
+            for s, v in emulated.items()
+        ],
+        title=f"equal all_to_all over an emulated 10 Gbit/s link (alpha 15 us), {world_size} ranks: "
+        "measured vs the cost model's (p-1)(alpha + beta S/p)",
+    )
+    return emulated

@@ -242,3 +242,20 @@ def test_model_parallel_benchmark_reports_every_row_and_bytes_equal_the_formulas
         assert row["step_s"] > 0
     (bubble,) = [b for b in data["bubble"] if b["schedule"] == "1F1B"]
     assert bubble["formula"] == pytest.approx(1 / (2 + 1)) and 0 < bubble["measured"] < 1
+
+
+def test_all_to_all_benchmark_reconciles_the_emulated_link_with_the_cost_model(capsys):
+    """The rows beside gloo are checked with the collectives benchmark above; here the
+    emulated-link table: the slowest rank's time beside (p-1)(alpha + beta S/p)."""
+    import minidist as md
+    from minidist.bench import all_to_all
+    from minidist.collectives import cost_model
+    from minidist.transport.emulated import ETHERNET_10G
+
+    outs = md.launch(all_to_all.emulated_worker, 3, args=([3072], 1), transport="shm", timeout=60)
+    emulated = all_to_all.reconcile(outs, 3)
+    model = cost_model.AlphaBeta(alpha=ETHERNET_10G.alpha_s, beta=1 / ETHERNET_10G.bandwidth_Bps)
+    assert emulated[3072]["measured_s"] == max(o[3072] for o in outs) > 0
+    assert emulated[3072]["predicted_s"] == pytest.approx(2 * (15e-6 + 1024 / 1.25e9))
+    assert emulated[3072]["predicted_s"] == cost_model.predict("all_to_all", 3, 3072, model)
+    assert "measured / predicted" in capsys.readouterr().out
