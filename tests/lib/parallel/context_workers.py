@@ -6,18 +6,21 @@ ring attention (every dtype x causal x layout) and Ulysses attention forward and
 returns its shards of the output and the gradients, the bytes and messages it sent in each
 pass (the transport's counters), the tiles it computed (``RingCounter``) and the bytes of the
 tensors autograd saved for backward (a ``saved_tensors_hooks`` pack hook that records every
-distinct storage).
+distinct storage). On 4 ranks it also runs the short point of ``python -m minidist.bench
+context`` (ring and Ulysses forward on the emulated clock).
 """
 
 from __future__ import annotations
 
 import torch
 
+from minidist.bench import context as bench_context
 from minidist.parallel import context
 
 BATCH, SEQ, HEAD_DIM = 2, 24, 8  # 24 cuts into p and 2p blocks for p = 2, 3, 4
 HEADS = 12  # divisible by 2, 3 and 4 (Ulysses)
 DTYPES = (torch.float64, torch.float32)
+SHORT_POINT = bench_context.POINTS[0]  # python -m minidist.bench context: "short sequence"
 
 
 def make_case(seed: int = 0) -> dict:
@@ -99,4 +102,6 @@ def all_checks(comm, case: dict) -> dict:
     except ValueError as e:
         errors["ulysses_heads"] = str(e)
     results["errors"] = errors
+    if p == 4:  # the benchmark's emulated-clock measurement, its short point once (~0.2 s)
+        results["emulated"] = bench_context._worker(comm, (SHORT_POINT,), 1)
     return results

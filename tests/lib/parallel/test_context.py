@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import context_workers as w
 import minidist as md
 from minidist import memory
+from minidist.bench import context as bench
 from minidist.parallel import context
 
 pytestmark = pytest.mark.timeout(180)
@@ -172,3 +173,26 @@ def test_bad_shapes_get_errors_that_say_what_to_do(run):
     errors = outs[0]["errors"]
     assert f"pad the sequence to a multiple of 2p = {2 * p}" in errors["ring_odd"]
     assert f"{p + 1} heads" in errors["ulysses_heads"] and "ring_attention" in errors["ulysses_heads"]
+
+
+def test_emulated_clock_time_is_at_least_the_alpha_beta_prediction(run):
+    """The benchmark's short point (``python -m minidist.bench context``), on 4 ranks: the
+    predictions equal the formulas written out again here, and the emulated forward (slowest
+    rank) takes at least the predicted time -- the clock only adds (compute waits and link
+    delays cannot be skipped); above it is load, so it is only bounded loosely (3x)."""
+    p, outs = run
+    if p != 4:
+        pytest.skip("measured on 4 ranks only")
+    pt = w.SHORT_POINT
+    shard = pt.batch * pt.heads * (pt.seq // p) * pt.head_dim * 4  # B: one rank's q, fp32
+    step = 4 * pt.batch * pt.heads * (pt.seq // p) ** 2 * pt.head_dim / 1e7  # one tile, 10 MFLOP/s
+    hop = pt.alpha_s + 2 * shard / pt.bandwidth_Bps
+    want = {
+        "ring": (p - 1) * max(step, hop) + step,
+        "ulysses": 4 * (p - 1) * (pt.alpha_s + shard / p / pt.bandwidth_Bps) + p * step,
+    }
+    predicted = bench.predict(pt, p)
+    for method, seconds in want.items():
+        assert predicted[method] == pytest.approx(seconds)
+        emulated = max(o["emulated"][pt.name, method][0] for o in outs)
+        assert 0.95 * seconds <= emulated <= 3 * seconds, (method, emulated, seconds)
