@@ -82,6 +82,9 @@ def main(argv=None) -> None:
     from . import averaging as averaging_bench  # its own arguments and main
 
     averaging_bench.add_parser(sub)
+    from . import context as context_bench  # its own arguments and main
+
+    context_bench.add_parser(sub)
     from . import model_parallel as model_parallel_bench  # its own arguments and main
 
     model_parallel_bench.add_parser(sub)
@@ -99,6 +102,8 @@ def main(argv=None) -> None:
         return compression_bench.main(args)
     if args.bench == "averaging":
         return averaging_bench.main(args)
+    if args.bench == "context":
+        return context_bench.main(args)
     if args.bench == "model_parallel":
         return model_parallel_bench.main(args)
     if args.bench == "ddp":
