@@ -88,6 +88,9 @@ def main(argv=None) -> None:
     from . import model_parallel as model_parallel_bench  # its own arguments and main
 
     model_parallel_bench.add_parser(sub)
+    from . import layout as layout_bench  # its own arguments and main
+
+    layout_bench.add_parser(sub)
     args, rest = parser.parse_known_args(argv)
     if args.bench == "large_batch":  # its own options: python -m minidist.bench large_batch --help
         from . import large_batch as bench
@@ -106,6 +109,8 @@ def main(argv=None) -> None:
         return context_bench.main(args)
     if args.bench == "model_parallel":
         return model_parallel_bench.main(args)
+    if args.bench == "layout":
+        return layout_bench.main(args)
     if args.bench == "ddp":
         from . import ddp as bench
 

@@ -126,6 +126,13 @@ def stage_flops_per_token(
     return float(flops)
 
 
+def _embedding_params(cfg: TransformerConfig, tp: int) -> int:
+    """Parameters of the embedding on one rank: the word table's 1/tp, positions, segments, LayerNorm."""
+    d = cfg.hidden_size
+    rest = cfg.type_vocab_size * d + (cfg.max_positions * d if cfg.position == "learned" else 0)
+    return cfg.vocab_size * d // tp + rest + (2 * d if cfg.embedding_layernorm else 0)
+
+
 def _expert_extra(cfg: TransformerConfig, moe: MoE | None, layout: Layout) -> int:
     """Parameters a device holds beyond the one MLP a block of ``estimate`` counts: its E/ep
     experts (split by tp) instead of one, and the router."""
@@ -176,8 +183,9 @@ def predict(
 
     ``precision`` "mixed" (16-bit activations and gradients, 16 bytes a parameter of states)
     or "fp32" (our CPU runs). ``dp_overlap`` is the fraction of backward the gradient
-    synchronisation can hide behind when pp = 1 (DDP's buckets); with a pipeline it runs after
-    the flush (our executor, and Megatron's default), hidden behind nothing."""
+    synchronisation can hide behind when pp = 1 (DDP's buckets) -- all but the embedding's, whose
+    gradient is complete only when backward ends; with a pipeline it runs after the flush (our
+    executor, and Megatron's default), hidden behind nothing."""
     moe = _moe_of(cfg, moe)
     cfg = padded_vocabulary(cfg, layout.tp)
     e = 2 if precision == "mixed" else 4
@@ -197,12 +205,16 @@ def predict(
         cp_s = st.exposed_s(st.context_parallel_s(tokens, d, layers, cp, tp, e, link_cp), attention)
         ep_s = st.expert_parallel_s(tokens, d, layers if moe else 0, ep, moe.top_k if moe else 1, e, link_ep)
         grads = stage_parameter_count(cfg, tp=tp, pp=pp, stage=stage) * e
-        dp_s = st.data_parallel_s(grads, dp * cp, link_dp, layout.zero)
+        # the embedding's gradient is complete only when backward ends (its lookup is the first
+        # layer; tied, it also waits for the output layer's share): its sync hides behind nothing
+        last = _embedding_params(cfg, tp) * e if stage == 0 and pp == 1 else 0
+        dp_s = st.data_parallel_s(grads - last, dp * cp, link_dp, layout.zero)
         if moe:
             expert_grads = layers * (moe.num_experts // ep) * _mlp_params(cfg) // tp * e
             dp_s += st.data_parallel_s(expert_grads, max(1, dp * cp // ep), link_dp, layout.zero)
         hide = 0.0 if pp > 1 else dp_overlap * compute * (1.0 if layout.zero == 3 else 2 / 3)
-        stages.append(dict(compute=compute, tp=tp_s, cp=cp_s, ep=ep_s, dp=st.exposed_s(dp_s, hide)))
+        dp_s = st.exposed_s(dp_s, hide) + st.data_parallel_s(last, dp * cp, link_dp, layout.zero)
+        stages.append(dict(compute=compute, tp=tp_s, cp=cp_s, ep=ep_s, dp=dp_s))
     slots = [s["compute"] + s["tp"] + s["cp"] + s["ep"] for s in stages]
     path = st.pipeline_s(slots, m)
     slowest = stages[max(range(pp), key=lambda s: slots[s])]
