@@ -160,6 +160,10 @@ def test_bad_arguments_are_refused_before_any_message():
             md.all_to_all(comm, torch.ones(3, 2))
         with pytest.raises(ValueError, match="reshape"):
             md.all_to_all(comm, torch.tensor(1.0))
+        with pytest.raises(ValueError, match="reshape"):  # async: still checked in the caller's thread
+            md.all_to_all(comm, torch.ones(3, 2), async_op=True)
+        with pytest.raises(ValueError, match="one tensor per rank"):
+            md.all_to_all(comm, [torch.ones(2)], async_op=True)
         with pytest.raises(ValueError, match="one tensor per rank"):
             md.all_to_all(comm, [torch.ones(2)])
         with pytest.raises(ValueError, match="same trailing shape"):
