@@ -93,6 +93,18 @@ def test_layouts_shard_and_gather_back_and_zigzag_pairs_early_with_late_blocks()
         context.shard_sequence(x, 0, 2, "striped")
 
 
+def test_calculator_layer_with_cp_divides_by_cp_and_keeps_no_score_matrix():
+    """Korthikanti's layer, 34 sbh + 5 as^2 b without recomputation; with ring attention the
+    5 as^2 b attention core is never kept and the lse (4 bytes a query row and head) is."""
+    s, b, h, a = 4096, 2, 1024, 16
+    one = memory.activation_bytes_per_layer_cp(s, b, h, a, cp=1)
+    assert one == memory.activation_bytes_per_layer(s, b, h, a) - 5 * a * s * s * b + 4 * a * s * b
+    for cp in (2, 4, 8):
+        assert memory.activation_bytes_per_layer_cp(s, b, h, a, cp=cp) * cp == pytest.approx(one)
+    with pytest.raises(ValueError, match="divide the sequence"):
+        memory.ring_attention_saved_bytes(1, 1, 10, 4, cp=4)
+
+
 # --- p ranks against one process -------------------------------------------------------------
 def test_ring_attention_equals_full_attention_forward_and_backward(run, case):
     p, outs = run

@@ -27,8 +27,11 @@ Bytes sent per rank (B = bytes of one K-shaped shard, b a (S/p) d elements; K an
 as one message of 2B):
     forward   (p-1) x 2B                  p-1 messages
     backward  (p-1) x 2B + p x 2B         K/V for p-1 hops, dK/dV for p hops: 2p-1 messages
-Memory: at most two K/V shards (the current and the incoming) and one tile's scores,
-(block x block) per (batch, head), on a rank at any time.
+Memory. Saved for backward: q, k, v, out (4B) and lse -- 1/p of one rank's
+(``memory.ring_attention_saved_bytes``). In flight: two K/V shards (the one in hand and the
+incoming one); in backward also three dK/dV accumulators (this step's, the upstream one being
+received, last step's still being sent). Scores: one tile at a time, (block x block) per
+(batch, head) -- S/p x S/p contiguous, S/2p x S/2p zig-zag -- never the S x S matrix.
 """
 
 from __future__ import annotations
