@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from minidist.memory import step_time as st
 from minidist.memory.cluster import Batch, Cluster
+from minidist.memory.context_parallel import activation_bytes_per_layer_cp
 from minidist.memory.model_states import PRECISIONS, stage_parameter_count
 from minidist.memory.per_rank import estimate
 from minidist.models.transformer import TransformerConfig
@@ -147,14 +148,21 @@ def _expert_extra(cfg: TransformerConfig, moe: MoE | None, layout: Layout) -> in
 def _memory(
     cfg, batch: Batch, layout: Layout, precision: str, moe: MoE | None, recompute: str
 ) -> dict[str, int]:
-    """``estimate`` of the fuller of the first and last stage, plus the extra experts (model
-    states sharded by ZeRO over their data-parallel group, dp x cp / ep)."""
+    """``estimate`` of the fuller of the first and last stage (with cp > 1 its activations are
+    ``activation_bytes_per_layer_cp``'s: ring attention at S/cp tokens), plus the extra experts
+    (model states sharded by ZeRO over their data-parallel group, dp x cp / ep)."""
     micro = layout.microbatch if layout.pp > 1 else batch.sequences // layout.dp
     best = None
     for stage in {0, layout.pp - 1}:
         mem = estimate(cfg, batch=micro, seq=batch.seq // layout.cp, zero_stage=layout.zero,
                        dp=layout.dp * layout.cp, tp=layout.tp, pp=layout.pp, stage=stage,
                        precision=precision, recompute=recompute)  # fmt: skip
+        if layout.cp > 1:  # ring attention keeps no s^2 scores: its own per-layer formula
+            per_layer = activation_bytes_per_layer_cp(batch.seq, micro, cfg.hidden_size, cfg.n_heads,
+                                                      cp=layout.cp, tp=layout.tp)  # fmt: skip
+            acts = round(per_layer * (cfg.n_layers // layout.pp) * (layout.pp - stage))
+            mem["total"] += acts - mem["activations"]
+            mem["activations"] = acts
         if best is None or mem["total"] > best["total"]:
             best = mem
     extra = _expert_extra(cfg, moe, layout)

@@ -185,6 +185,9 @@ def test_memory_is_the_calculators_and_layouts_over_memory_rank_last():
         want["total"], memory.estimate(cfg, batch=1, seq=2048, tp=8, pp=8)["total"]
     )
     assert plan.fits == (plan.memory["total"] <= 80e9)
+    cp = predict(cfg, cluster, batch, Layout(dp=1, tp=8, pp=2, cp=4))  # ring attention: its own formula
+    per_layer = memory.activation_bytes_per_layer_cp(2048, 1, cfg.hidden_size, cfg.n_heads, cp=4, tp=8)
+    assert cp.memory["activations"] == round(per_layer * 48 * 2)  # stage 0: 48 layers, 2 microbatches held
     one = predict(cfg, cluster, batch, Layout(dp=64))  # 175B on every GPU: 2.8 TB of states
     assert not one.fits and one.memory["total"] > 16 * 174e9
 
