@@ -21,6 +21,7 @@ import context_workers as w
 import minidist as md
 from minidist import memory
 from minidist.bench import context as bench
+from minidist.clock import GPUSpec
 from minidist.parallel import context
 
 pytestmark = pytest.mark.timeout(180)
@@ -103,6 +104,33 @@ def test_calculator_layer_with_cp_divides_by_cp_and_keeps_no_score_matrix():
         assert memory.activation_bytes_per_layer_cp(s, b, h, a, cp=cp) * cp == pytest.approx(one)
     with pytest.raises(ValueError, match="divide the sequence"):
         memory.ring_attention_saved_bytes(1, 1, 10, 4, cp=4)
+
+
+def test_alpha_beta_ring_time_in_closed_form():
+    """``ring_time`` walks the schedule; against the closed forms. Compute-bound (free link):
+    contiguous causal takes as long as non-causal (rank p-1 computes a full tile every step),
+    zig-zag causal (2p+1)/4 of it (3 half-size tiles at step 0, then 2 a step). Link-bound:
+    (p-1) hops of alpha + 2B/bw, then the last step's compute."""
+    b, a, s, d, p = 1, 4, 1024, 64, 4
+    gpu = GPUSpec("test", 1e12, 1.0)
+    tile = gpu.seconds(4 * b * a * (s // p) ** 2 * d)  # one (S/p)^2 tile
+    free = (0.0, 1e30)
+    non = context.ring_time(b, a, s, d, p, *free, gpu, causal=False, layout="contiguous")
+    assert non == pytest.approx(p * tile)
+    assert context.ring_time(b, a, s, d, p, *free, gpu, causal=True, layout="contiguous") == pytest.approx(
+        p * tile
+    )
+    assert context.ring_time(b, a, s, d, p, *free, gpu, causal=True, layout="zigzag") == pytest.approx(
+        (2 * p + 1) / 4 * tile
+    )
+    alpha, bw = 1e-3, 1e3  # a K/V shard takes far longer than a tile
+    hop = alpha + 2 * b * a * (s // p) * d * 4 / bw
+    last = tile / 2  # zig-zag causal, a step after the first: 2 tiles of (S/2p)^2
+    assert context.ring_time(b, a, s, d, p, alpha, bw, gpu, causal=True, layout="zigzag") == pytest.approx(
+        (p - 1) * hop + last
+    )
+    u = context.ulysses_time(b, a, s, d, p, alpha, bw, gpu)
+    assert u == pytest.approx(4 * (p - 1) * (alpha + b * a * (s // p) * d * 4 / p / bw) + p * tile)
 
 
 # --- p ranks against one process -------------------------------------------------------------
