@@ -41,15 +41,15 @@ def test_capacity_formula():
 
 
 def test_priority_and_drops_against_a_loop():
-    """Kept = the first C assignments of each expert in (slot, token) order; dropped = max(0, load - C)."""
+    """Kept = the first C assignments of each expert in (token, slot) order; dropped = max(0, load - C)."""
     torch.manual_seed(0)
     logits = torch.randn(40, 6) + torch.tensor([3.0, 2.0, 0, 0, 0, 0])  # experts 0 and 1 over capacity
     r = experts.route(logits, top_k=2, capacity_factor=1.0)
     cap = math.ceil(40 * 2 / 6)
     seen = [0] * 6
     want = torch.zeros(40, 2, dtype=torch.bool)
-    for slot in range(2):
-        for token in range(40):
+    for token in range(40):
+        for slot in range(2):
             e = int(r.experts[token, slot])
             want[token, slot] = seen[e] < cap
             seen[e] += 1

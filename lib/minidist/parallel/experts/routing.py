@@ -16,11 +16,15 @@ Capacity (Switch, section 2.2; GShard, Lepikhin et al. 2021): an expert takes at
 
 (T * k / E is its share under perfect balance). ``capacity_factor=None`` means no limit.
 
-Priority (who is kept when an expert is over capacity) -- deterministic, GShard's order of the
-choices: every token's FIRST choice comes before any token's second choice, and within one
-choice rank, the earlier token (by position in the flattened batch) comes first:
+Priority (who is kept when an expert is over capacity) -- deterministic, by position: the
+earlier token in the flattened batch (B, T) -> (B·T) comes first, and a token's choices in order:
 
-    priority order:  (slot 0, token 0), (slot 0, token 1), ..., (slot 1, token 0), ...
+    priority order:  (token 0, slot 0), (token 0, slot 1), (token 1, slot 0), ...
+
+Why by position and not GShard's "every first choice before any second choice": in a decoder a
+later token must not change an earlier one's output. By position, whether token t is kept
+depends on tokens 0..t only, so the layer stays causal whatever the capacity (GShard's order
+would let a later token's first choice push out an earlier token's second).
 
 So expert e keeps min(load_e, C) assignments and drops  max(0, load_e - C)  of them, where
 load_e is how many (token, slot) pairs chose e. A dropped assignment contributes nothing to
@@ -89,9 +93,8 @@ class Routing:
         contiguous range of experts) are one contiguous block; within an expert, in priority order.
         """
         t, k = self.experts.shape
-        slot_major = self.kept.t().reshape(-1)  # priority order: slot, then token
-        index = torch.nonzero(slot_major).squeeze(1)
-        slot, token = index // t, index % t
+        index = torch.nonzero(self.kept.reshape(-1)).squeeze(1)  # priority order: token, then slot
+        token, slot = index // k, index % k
         expert = self.experts[token, slot]
         order = torch.sort(expert, stable=True).indices
         return token[order], slot[order], expert[order]
@@ -111,10 +114,10 @@ def route(
     else:
         gates = top_probs
     cap = capacity(tokens, top_k, num_experts, capacity_factor)
-    # position of each assignment in its expert's queue, in priority order (slot-major)
-    one_hot = F.one_hot(experts.t().reshape(-1), num_experts)  # (k*T, E)
+    # position of each assignment in its expert's queue, in priority order (token, then slot)
+    one_hot = F.one_hot(experts.reshape(-1), num_experts)  # (T*k, E)
     queue = (one_hot.cumsum(0) * one_hot).sum(1) - 1  # 0, 1, 2, ... per expert
-    kept = (queue < cap).view(top_k, tokens).t()
+    kept = (queue < cap).view(tokens, top_k)
     load = one_hot.sum(0)
     kept_per_expert = torch.clamp(load, max=cap)
     if tokens:
