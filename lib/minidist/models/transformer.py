@@ -31,6 +31,13 @@ would see different masks and their results could only be compared statistically
 dropout 0 a run is a deterministic function of its seed and data, and our short runs on a small
 corpus are far from overfitting anyway. Set ``dropout`` > 0 for long pre-training.
 
+Mixture of experts: with ``num_experts`` > 0 the MLP of every block from ``first_dense_layers`` on
+is a ``minidist.parallel.experts.MoELayer`` (top_k experts of width ``moe_d_ffn`` per token, plus
+``num_shared_experts``); its load-balancing loss is left on the layer (``aux_loss``) and the
+decoder adds ``aux_loss_coef`` times their sum to its loss. Newer decoders' pieces (RMSNorm, rotary
+positions, grouped-query and latent attention, SwiGLU, no biases) are in ``modern_blocks``,
+chosen by the fields after ``init_std``; the defaults keep the blocks above.
+
 Cost: a block holds 12 d² + 13 d parameters (Q, K, V, output: 4 d² + 4 d; MLP with a 4d
 inner size: 8 d² + 5 d; two LayerNorms: 4 d) and costs about 24 B T d² + 4 B T² d
 multiply-adds forward for a batch of B sequences of T tokens.
@@ -45,10 +52,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minidist.models.modern_blocks import MLAConfig, make_attention, make_mlp, make_norm
 from minidist.models.score_bias import attention_bias
 
 __all__ = [
     "TransformerConfig",
+    "MLAConfig",
     "Embeddings",
     "MultiHeadSelfAttention",
     "MLP",
@@ -68,6 +77,13 @@ class TransformerConfig:
     ``-slope * (i - j)`` to the score of query i for key j: BLOOM).
     ``type_vocab_size`` is the number of segment embeddings (2 for BERT's sentence A/B, 0 for none).
     ``intermediate_size`` 0 means 4 * hidden_size.
+
+    Mixture of experts (``num_experts`` 0: dense): ``top_k``, ``moe_d_ffn`` (0: ffn_size),
+    ``num_shared_experts``, ``first_dense_layers`` (dense blocks before the first MoE block),
+    ``capacity_factor`` (None: no drops), ``aux_loss_coef`` (Switch's 0.01).
+    Newer decoders (``modern_blocks``): ``position="rope"`` (``rope_theta``), ``n_kv_heads`` (0: n_heads),
+    ``norm`` "layernorm" | "rmsnorm", ``activation`` "gelu" | "swiglu", ``bias``, ``mla``,
+    ``tie_word_embeddings`` (the decoder's output matrix is the word table, or its own).
     """
 
     vocab_size: int
@@ -84,6 +100,20 @@ class TransformerConfig:
     dropout: float = 0.0
     layer_norm_eps: float = 1e-12
     init_std: float = 0.02
+    num_experts: int = 0
+    top_k: int = 2
+    moe_d_ffn: int = 0
+    num_shared_experts: int = 0
+    first_dense_layers: int = 0
+    capacity_factor: float | None = 1.25
+    aux_loss_coef: float = 0.01
+    n_kv_heads: int = 0
+    norm: str = "layernorm"
+    activation: str = "gelu"
+    bias: bool = True
+    rope_theta: float = 10000.0
+    mla: MLAConfig | None = None
+    tie_word_embeddings: bool = True
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.n_heads:
@@ -91,8 +121,18 @@ class TransformerConfig:
                 f"hidden_size {self.hidden_size} is not divisible by n_heads {self.n_heads}: "
                 "each head gets hidden_size / n_heads dimensions; pick n_heads that divides it"
             )
-        if self.position not in ("learned", "alibi"):
-            raise ValueError(f"position must be 'learned' or 'alibi', got {self.position!r}")
+        if self.position not in ("learned", "alibi", "rope"):
+            raise ValueError(f"position must be 'learned', 'alibi' or 'rope', got {self.position!r}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"n_kv_heads {self.n_kv_heads} must divide n_heads {self.n_heads} (query heads per K/V head)"
+            )
+        if self.norm not in ("layernorm", "rmsnorm") or self.activation not in ("gelu", "swiglu"):
+            raise ValueError(f"norm is 'layernorm' or 'rmsnorm', activation 'gelu' or 'swiglu': {self}")
+        if isinstance(self.mla, dict):  # read back from JSON (shards' metadata, dataclasses.asdict)
+            object.__setattr__(self, "mla", MLAConfig(**self.mla))
+        if self.num_experts and not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k must be in 1..num_experts={self.num_experts}, got {self.top_k}")
         if min(self.vocab_size, self.hidden_size, self.n_layers, self.n_heads, self.max_positions) < 1:
             raise ValueError(f"sizes must be positive: {self}")
         if not 0.0 <= self.dropout < 1.0:
@@ -106,6 +146,25 @@ class TransformerConfig:
     def ffn_size(self) -> int:
         return self.intermediate_size or 4 * self.hidden_size
 
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether block ``layer`` (0-based) has a mixture of experts instead of the dense MLP."""
+        return self.num_experts > 0 and layer >= self.first_dense_layers
+
+    @property
+    def classic(self) -> bool:
+        """True for the course's GPT/BERT blocks (none of the MoE or newer-decoder fields set)."""
+        plain = (self.norm, self.activation, self.bias, self.position != "rope") == (
+            "layernorm",
+            "gelu",
+            True,
+            True,
+        )
+        return plain and not (self.num_experts or self.n_kv_heads or self.mla)
+
 
 def parameter_count(cfg: TransformerConfig) -> int:
     """Parameters of ``Transformer(cfg)`` by formula (embeddings, blocks, final LayerNorm; no head).
@@ -114,6 +173,10 @@ def parameter_count(cfg: TransformerConfig) -> int:
     + n_layers · (4d² + 4d  [Q, K, V, output]  +  2·d·f + f + d  [MLP]  +  4d  [2 LayerNorms])
     + 2d final LayerNorm (pre-LN only).
     """
+    if not cfg.classic:  # MoE or newer blocks: the general count, layer by layer
+        from minidist.models.counting import transformer_parameter_count
+
+        return transformer_parameter_count(cfg)
     d, f = cfg.hidden_size, cfg.ffn_size
     embed = cfg.vocab_size * d + cfg.type_vocab_size * d
     if cfg.position == "learned":
@@ -136,7 +199,7 @@ class Embeddings(nn.Module):
             nn.Embedding(cfg.max_positions, cfg.hidden_size) if cfg.position == "learned" else None
         )
         self.segment = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size) if cfg.type_vocab_size else None
-        self.norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps) if cfg.embedding_layernorm else None
+        self.norm = make_norm(cfg) if cfg.embedding_layernorm else None
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -213,15 +276,18 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Attention then MLP, each with a residual connection; post-LN or pre-LN (see the module docstring)."""
+    """Attention then MLP, each with a residual connection; post-LN or pre-LN (see the module docstring).
 
-    def __init__(self, cfg: TransformerConfig) -> None:
+    ``layer`` (its index) matters only for MoE configs: blocks before ``first_dense_layers`` stay dense.
+    """
+
+    def __init__(self, cfg: TransformerConfig, layer: int = 0) -> None:
         super().__init__()
         self.pre_ln = cfg.pre_ln
-        self.attention = MultiHeadSelfAttention(cfg)
-        self.attention_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
-        self.mlp = MLP(cfg)
-        self.mlp_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.attention = make_attention(cfg)
+        self.attention_norm = make_norm(cfg)
+        self.mlp = make_mlp(cfg, layer)
+        self.mlp_norm = make_norm(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -244,11 +310,13 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embeddings = Embeddings(cfg)
-        self.blocks = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
-        self.final_norm = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps) if cfg.pre_ln else None
+        self.blocks = nn.ModuleList(TransformerBlock(cfg, layer) for layer in range(cfg.n_layers))
+        self.final_norm = make_norm(cfg) if cfg.pre_ln else None
         self.apply(self._init_weights)
 
     def _init_weights(self, module: nn.Module) -> None:
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            return  # shapes only: drawing values on meta costs ~1 ms a tensor (DeepSeek-V3: 47k of them)
         if isinstance(module, nn.Linear | nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std)
         if isinstance(module, nn.Linear) and module.bias is not None:
