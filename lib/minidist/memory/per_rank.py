@@ -8,6 +8,7 @@ backward, for the micro-batches in flight on the rank's pipeline stage.
 from __future__ import annotations
 
 from minidist.memory.activations import activation_bytes_per_layer, decoder_activation_bytes
+from minidist.memory.experts import moe_activation_bytes_per_layer, moe_parameter_split
 from minidist.memory.model_states import PRECISIONS, stage_parameter_count
 from minidist.models.transformer import TransformerConfig
 
@@ -30,6 +31,7 @@ def estimate(
     activations: str = "korthikanti",
     in_flight: int | None = None,
     stage: int = 0,
+    ep: int = 1,
 ) -> dict[str, int]:
     """Bytes per rank of training ``cfg``: "params", "grads", "optimizer", "activations", "total".
 
@@ -54,6 +56,13 @@ def estimate(
         "minidist"     ``decoder_activation_bytes``: our ``DecoderLM`` exactly, element size from
                        ``precision``; only for tp = pp = 1 and recompute "none".
 
+    Mixtures of experts and newer blocks (``cfg.classic`` False; ``memory.experts``): every
+    parameter of the stage's layers (all experts), the routed experts divided by ``ep`` (expert
+    parallel inside the data-parallel group: ep divides dp and num_experts), ZeRO sharding the
+    dense part over dp and the experts over dp / ep; activations "korthikanti" with the top_k
+    experts' per token (``moe_activation_bytes_per_layer``). tp must be 1 for these configs.
+    The result's "params_count" is the parameters on the rank; "expert_params_count" its experts'.
+
     Not counted: temporary buffers (ZeRO-3's gathered unit, communication buckets, the logits
     before the loss), the one layer that recomputation re-materialises during backward, and the
     allocator's fragmentation -- a real run needs some headroom above "total".
@@ -67,13 +76,28 @@ def estimate(
     if min(batch, seq) < 1:
         raise ValueError(f"batch and seq must be positive, got batch={batch}, seq={seq}")
     p_bytes, g_bytes, o_bytes = bytes_per_param or PRECISIONS[precision]
-    n = stage_parameter_count(cfg, tp=tp, pp=pp, stage=stage)
-    shard = -(-n // dp)  # ceil: ZeRO pads the flat parameter vector to a multiple of dp
+    moe = not cfg.classic or ep != 1
+    if moe:
+        _check_moe(cfg, tp=tp, dp=dp, ep=ep, pp=pp)
+        dense, routed = moe_parameter_split(cfg, pp=pp, stage=stage)
+        routed //= ep
+    else:
+        dense, routed = stage_parameter_count(cfg, tp=tp, pp=pp, stage=stage), 0
+    n = dense + routed
+    # ceil: ZeRO pads the flat parameter vector to a multiple of dp (experts: of dp / ep)
+    shard = -(-dense // dp) + -(-routed // (dp // ep))
     params = p_bytes * (shard if zero_stage >= 3 else n)
     grads = g_bytes * (shard if zero_stage >= 2 else n)
     optimizer = o_bytes * (shard if zero_stage >= 1 else n)
 
-    if activations == "korthikanti":
+    if activations == "korthikanti" and moe:
+        flights = pp - stage if in_flight is None else in_flight
+        layers = range(stage * cfg.n_layers // pp, (stage + 1) * cfg.n_layers // pp)
+        per_flight = sum(
+            moe_activation_bytes_per_layer(cfg, seq, batch, layer, recompute) for layer in layers
+        )
+        acts = round(per_flight * flights)
+    elif activations == "korthikanti":
         per_layer = activation_bytes_per_layer(
             seq,
             batch,
@@ -86,10 +110,11 @@ def estimate(
         flights = pp - stage if in_flight is None else in_flight
         acts = round(per_layer * (cfg.n_layers // pp) * flights)
     elif activations == "minidist":
-        if tp != 1 or pp != 1 or recompute != "none" or sequence_parallel:
+        if tp != 1 or pp != 1 or recompute != "none" or sequence_parallel or moe:
             raise ValueError(
                 "activations='minidist' models our single-rank DecoderLM without recomputation: "
-                "use tp=pp=1, recompute='none', sequence_parallel=False, or activations='korthikanti'"
+                "use tp=pp=1, recompute='none', sequence_parallel=False, a dense GPT/BERT config, "
+                "or activations='korthikanti'"
             )
         element = 4 if precision == "fp32" else 2
         acts = decoder_activation_bytes(cfg, batch, seq, element_size=element)
@@ -102,4 +127,22 @@ def estimate(
         "activations": acts,
         "total": params + grads + optimizer + acts,
         "params_count": n,
+        "expert_params_count": routed,
     }
+
+
+def _check_moe(cfg: TransformerConfig, *, tp: int, dp: int, ep: int, pp: int) -> None:
+    if tp != 1:
+        raise ValueError(
+            "memory.estimate models MoE and newer-block configs without tensor parallelism: use tp=1 "
+            "(split the experts with ep= instead)"
+        )
+    if ep < 1 or (cfg.num_experts or 1) % ep or dp % ep:
+        raise ValueError(
+            f"ep={ep} must divide num_experts={cfg.num_experts} and dp={dp}: expert parallelism runs inside "
+            "the data-parallel group (each EP rank routes its own tokens); pass dp as a multiple of ep"
+        )
+    if cfg.n_layers % pp:
+        raise ValueError(
+            f"n_layers {cfg.n_layers} is not divisible by pp {pp}: pick stages that divide the layers"
+        )
