@@ -20,6 +20,9 @@ splits the layers. Activations depend on the batch, the sequence and the recompu
                    (our dropout-free model, exactly)
     per_rank       ``estimate(cfg, batch=, seq=, zero_stage=, dp=, tp=, pp=, recompute=,
                    sequence_parallel=)``: bytes per rank -- params, grads, optimizer, activations, total
+    experts        ``moe_parameter_split(cfg, pp, stage)`` (dense part, routed experts),
+                   ``moe_activation_bytes_per_layer(cfg, s, b, layer)`` (top_k experts a token);
+                   ``estimate(..., ep=)`` divides the experts over the EP ranks
     context_parallel  ``ring_attention_saved_bytes(b, a, s, d, cp)`` (what ring attention keeps
                    per rank: 1/cp), ``activation_bytes_per_layer_cp(s, b, h, a, cp, tp)`` (a layer)
     flops          ``flops_per_token(cfg, seq)``, ``training_days(cfg, tokens, n_devices, peak_flops,
@@ -52,6 +55,7 @@ from minidist.memory.activations import (
     decoder_activation_bytes,
 )
 from minidist.memory.context_parallel import activation_bytes_per_layer_cp, ring_attention_saved_bytes
+from minidist.memory.experts import moe_activation_bytes_per_layer, moe_parameter_split
 from minidist.memory.flops import flops_per_token, training_days
 from minidist.memory.model_states import PRECISIONS, stage_parameter_count, zero_table
 from minidist.memory.per_rank import estimate
@@ -67,6 +71,8 @@ __all__ = [
     "decoder_activation_bytes",
     "activation_bytes_per_layer_cp",
     "ring_attention_saved_bytes",
+    "moe_activation_bytes_per_layer",
+    "moe_parameter_split",
     "flops_per_token",
     "training_days",
     "build_on_meta",
