@@ -8,7 +8,7 @@ these say how long it runs.
 
 from __future__ import annotations
 
-from minidist.models import transformer
+from minidist.models import counting, transformer
 from minidist.models.transformer import TransformerConfig
 
 __all__ = ["flops_per_token", "training_days"]
@@ -31,10 +31,18 @@ def flops_per_token(
 
     ``attention=False`` drops the s-terms: 6N per token, the "C = 6ND" of Kaplan et al. (2020)
     and of GPT-3's compute table.
+
+    Mixture of experts: N is the ACTIVE count (``counting``: the router, top_k routed and the
+    shared experts of each MoE block), so 8 experts with top-2 cost what 2 do. An untied output
+    matrix is counted as the tied one is (V·d once: the lookup is free, the output matmul is not).
     """
     if recompute not in ("none", "full"):
         raise ValueError(f"recompute must be 'none' or 'full' for FLOPs, got {recompute!r}")
-    n = transformer.parameter_count(cfg)
+    n = (
+        transformer.parameter_count(cfg)
+        if cfg.classic
+        else counting.transformer_parameter_count(cfg, active=True)
+    )
     d, layers = cfg.hidden_size, cfg.n_layers
     attn = 4 * layers * seq * d if attention else 0  # forward FLOPs of QKᵀ and weights·V per token
     flops = 3 * (2 * n + attn)

@@ -84,3 +84,12 @@ def test_bad_layouts_are_refused():
         memory.estimate(cfg, batch=1, seq=8, dp=2, ep=4)
     with pytest.raises(ValueError, match="must divide"):
         memory.estimate(cfg, batch=1, seq=8, dp=3, ep=3)
+
+
+def test_flops_per_token_count_active_parameters():
+    cfg = decoder.CONFIGS["mixtral-8x7b"]
+    active_without_head = decoder.active_parameter_count(cfg) - cfg.vocab_size * cfg.hidden_size
+    assert memory.flops_per_token(cfg, 4096, attention=False) == 6 * active_without_head
+    two = replace(cfg, num_experts=2, top_k=2)  # 2 experts, both active: the same FLOPs but the routers'
+    router_difference = 6 * cfg.n_layers * cfg.hidden_size * (8 - 2)
+    assert memory.flops_per_token(cfg, 4096) - memory.flops_per_token(two, 4096) == router_difference
