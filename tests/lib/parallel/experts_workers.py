@@ -113,8 +113,42 @@ def refuses_uneven(comm) -> str:
     return ""
 
 
+def decoder_model():
+    """A 2-layer MoE decoder (rotary, grouped-query attention, SwiGLU experts, capacity 1.0), float64."""
+    from dataclasses import replace
+
+    from minidist.models import decoder
+
+    cfg = replace(
+        decoder.CONFIGS["moe-tiny"], hidden_size=32, n_heads=4, intermediate_size=48, num_experts=12
+    )
+    torch.manual_seed(7)
+    return decoder.DecoderLM(replace(cfg, capacity_factor=1.0)).double()
+
+
+def decoder_batch(rank: int) -> torch.Tensor:
+    return torch.randint(0, 8192, (2, 6), generator=torch.Generator().manual_seed(200 + rank))
+
+
+def run_decoder(comm) -> dict:
+    """The decoder with its MoE layers expert-parallel: loss, logits, every gradient, the drops."""
+    model = experts.distribute_experts(decoder_model(), comm)
+    ids = decoder_batch(comm.rank)
+    out = model(ids, labels=ids)
+    out.loss.backward()
+    mlps = [block.mlp for block in model.transformer.blocks]
+    return {
+        "loss": out.loss.detach(),
+        "logits": out.logits.detach(),
+        "grads": grads(model),
+        "first_expert": [m.first_expert for m in mlps],
+        "dropped": [m.last_stats.dropped_total for m in mlps],
+    }
+
+
 def all_cases(comm) -> dict:
     out = {case: run_ep(comm, case) for case in CASES}
+    out["decoder"] = run_decoder(comm)
     out["tp"] = run_tp(comm, "no-drop-gelu-top2")
     out["uneven"] = refuses_uneven(comm)
     return out

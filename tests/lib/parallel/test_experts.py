@@ -224,6 +224,34 @@ def test_tp_experts_equal_one_process_and_the_formula(run):
     )
 
 
+def test_expert_parallel_decoder_equals_one_process(run):
+    """A whole MoE decoder (``distribute_experts``): loss, logits and every gradient, with drops."""
+    p, outs = run
+    model = w.decoder_model()
+    per_rank = []
+    for rank in range(p):
+        model.zero_grad()
+        ids = w.decoder_batch(rank)
+        out = model(ids, labels=ids)
+        out.loss.backward()
+        per_rank.append({"loss": out.loss.detach(), "logits": out.logits.detach(), "grads": w.grads(model)})
+    total = {name: sum(r["grads"][name] for r in per_rank) for name in per_rank[0]["grads"]}
+    for rank, out in enumerate(outs):
+        got, want = out["decoder"], per_rank[rank]
+        close(got["loss"], want["loss"], f"rank {rank} loss")
+        close(got["logits"], want["logits"], f"rank {rank} logits")
+        for name, grad in got["grads"].items():
+            if ".mlp.experts." in name:  # blocks.L.mlp.experts.j.rest -> global expert first + j
+                head, rest = name.split(".mlp.experts.")
+                j, rest = rest.split(".", 1)
+                layer = int(head.rsplit(".", 1)[1])
+                global_name = f"{head}.mlp.experts.{got['first_expert'][layer] + int(j)}.{rest}"
+                close(grad, total[global_name], f"rank {rank} {name}")
+            else:
+                close(grad, want["grads"][name], f"rank {rank} {name}")
+    assert sum(sum(out["decoder"]["dropped"]) for out in outs) > 0  # capacity 1.0 dropped some
+
+
 def test_uneven_experts_refused(run):
     p, outs = run
     assert f"{p + 1} experts cannot be split evenly over {p} ranks" in outs[0]["uneven"]

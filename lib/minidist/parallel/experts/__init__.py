@@ -6,6 +6,7 @@ router that sends each token to k of them: parameters grow with E, FLOPs per tok
     moe = experts.MoELayer(d_model, d_ffn, num_experts, top_k=2, capacity_factor=1.25)  # one process
     y = moe(x); moe.aux_loss; moe.last_stats       # output, load-balancing loss, per-expert counts
     ep = experts.ExpertParallelMoE(moe, comm)       # rank r holds experts [r E/p, (r+1) E/p)
+    experts.distribute_experts(model, comm)          # every MoELayer of a model, in place
 
 Modules, in reading order:
 
@@ -18,7 +19,7 @@ Modules, in reading order:
                      ``TensorParallelExperts`` to measure the TP side
 """
 
-from .expert_parallel import ExpertParallelMoE
+from .expert_parallel import ExpertParallelMoE, distribute_experts
 from .layer import ExpertFFN, MoELayer
 from .routing import MoEStats, Routing, capacity, route
 from .traffic import TensorParallelExperts, bytes_per_token, ep_bytes, off_rank_assignments, tp_bytes
@@ -32,6 +33,7 @@ __all__ = [
     "TensorParallelExperts",
     "bytes_per_token",
     "capacity",
+    "distribute_experts",
     "ep_bytes",
     "off_rank_assignments",
     "route",

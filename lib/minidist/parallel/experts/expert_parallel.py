@@ -42,7 +42,7 @@ from ...comm import Communicator
 from .layer import MoELayer
 from .routing import MoEStats, route
 
-__all__ = ["ExpertParallelMoE"]
+__all__ = ["ExpertParallelMoE", "distribute_experts"]
 
 
 class _AllToAll(torch.autograd.Function):
@@ -132,3 +132,17 @@ class ExpertParallelMoE(nn.Module):
             out = out + self.shared(flat)
         self.aux_loss, self.last_stats = routing.aux_loss, routing.stats
         return out.view(x.shape)
+
+
+def distribute_experts(model: nn.Module, comm: Communicator) -> nn.Module:
+    """Swap every ``MoELayer`` inside ``model`` for its ``ExpertParallelMoE`` on ``comm`` (in place).
+
+    Every rank calls it on the same model (same seed); each keeps its E/p experts of every layer.
+    Returns ``model``. A local expert j of a layer is global expert ``layer.first_expert + j``.
+    """
+    for name, child in list(model.named_children()):
+        if isinstance(child, MoELayer):
+            setattr(model, name, ExpertParallelMoE(child, comm))
+        else:
+            distribute_experts(child, comm)
+    return model
