@@ -1,0 +1,194 @@
+"""Assignment 8: a mixture of experts spread over the ranks -- all-to-all, capacity, expert parallel.
+
+A mixture-of-experts layer (lecture 10 section 2; GShard, Lepikhin et al. 2020, section 2.2;
+Switch Transformer, Fedus et al. 2021, section 2) replaces one feed-forward network by E of them
+and lets a router send every token to k of them. With expert parallelism (lecture 10 section 3)
+rank r holds experts [r E/p, (r+1) E/p) only: the tokens travel to their experts and back, in an
+all-to-all each way. You write it from point-to-point messages up:
+
+* ``all_to_all`` (task 1): the collective, equal and variable pieces, on ``comm.send/recv/isend/irecv``;
+* ``route``, ``dispatch``, ``combine`` (task 2): top-k routing with capacity, on one process;
+* ``ExpertParallelMoE`` (tasks 3 and 4): the layer on p ranks, forward and backward equal to one
+  process; task 4 measures the bytes it sends per token.
+
+The rules, the same as lecture 10's:
+
+- **Gates.** probs = softmax(logits) over the E experts; a token's k experts are its k largest
+  probabilities, best first. k = 1: the gate is that probability (Switch); k > 1: the k
+  probabilities divided by their sum (GShard, Mixtral).
+- **Capacity.** An expert takes at most C = ceil(capacity_factor x T x k / E) of the T tokens'
+  choices (``capacity``; ``capacity_factor=None``: C = T, nothing is ever dropped).
+- **Priority.** Every token's first choice comes before any token's second choice; within one
+  choice, the earlier token first. An expert keeps its first C choices in that order and drops
+  the rest. A dropped choice adds nothing to its token (the other gates are not renormalised).
+- **What you may use.** ``comm.send``, ``recv``, ``isend``, ``irecv`` on the communicator you are
+  given, ``torch.autograd.Function``, plain torch. Not the library's collectives
+  (``minidist.collectives``, ``md.all_to_all``), its experts (``minidist.parallel.experts``), nor
+  ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from minidist.comm import Communicator
+
+__all__ = [
+    "all_to_all",
+    "capacity",
+    "route",
+    "dispatch",
+    "combine",
+    "all_to_all_differentiable",
+    "ExpertParallelMoE",
+]
+
+
+# --- task 1: all-to-all ------------------------------------------------------------------------
+def all_to_all(
+    comm: Communicator, chunks: torch.Tensor | list[torch.Tensor], recv_sizes: list[int] | None = None
+) -> torch.Tensor | list[torch.Tensor]:
+    """Send piece j to rank j; piece i of the result came from rank i (lecture 10 section 1).
+
+    Contract. Two forms; every rank calls the same one.
+
+    * Equal pieces: ``chunks`` of shape (p, *chunk), the same on every rank. Returns a new tensor
+      of that shape whose row i is row ``comm.rank`` of rank i's ``chunks``.
+    * Variable pieces: ``chunks`` a list of p tensors, each with any first dimension, the same
+      trailing shape and dtype on every rank. Returns a list of p new tensors, entry i the one rank
+      i addressed to this rank. A receiver must know a piece's size before receiving it: unless
+      ``recv_sizes`` gives them (entry i: the first dimension rank i sends here), the ranks first
+      exchange their sizes, one int64 to every other rank.
+
+    ``chunks`` is not modified. It must finish for any p and any piece size on every transport
+    (on "pipe", a blocking ``send`` of a large message returns only once the receiver reads it).
+
+    Cost, per rank: p - 1 messages of data; bytes sent = every piece but this rank's own (which
+    is copied), so (p - 1) / p of the input for equal pieces, exactly; the sizes exchange adds
+    p - 1 messages of 8 bytes (the grader counts what the transport carried). Not differentiable:
+    task 3 needs its backward.
+
+    Read: lecture 10 section 1 (pairwise exchange); MPI's MPI_Alltoall / MPI_Alltoallv.
+    """
+    # Questions before you write: in step s of a pairwise exchange, whom does rank r send to and
+    # whom does it receive from, and is every receive matched by a send posted in the same step?
+    # What happens on "pipe" if every rank sends all its pieces before it receives any? What must
+    # a receiver know before its buffer can exist, and who can tell it?
+    raise NotImplementedError("TODO(task 1): all_to_all, equal and variable pieces")
+
+
+# --- task 2: routing with capacity, dispatch and combine on one process ------------------------
+def capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float | None) -> int:
+    """C = ceil(capacity_factor x tokens x top_k / num_experts); ``tokens`` when the factor is None."""
+    if capacity_factor is None:
+        return tokens
+    return math.ceil(capacity_factor * tokens * top_k / num_experts)
+
+
+def route(
+    logits: torch.Tensor, top_k: int, capacity_factor: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The router's decisions for T tokens: (experts, gates, slots), each (T, top_k).
+
+    Contract. ``logits`` (T, E). ``experts[t, j]``: token t's j-th choice (best first, int64);
+    ``gates[t, j]``: its gate (the module docstring's rule; differentiable with respect to
+    ``logits``); ``slots[t, j]``: the position of that choice in its expert's queue -- 0 for the
+    first choice the expert keeps, up to C - 1 -- or -1 when the expert dropped it (C =
+    ``capacity(T, top_k, E, capacity_factor)``, the module docstring's priority).
+
+    Cost: O(T k E) work and memory; no Python loop over tokens.
+
+    Read: GShard section 2.2 (expert capacity, the order of the choices), Switch section 2.2.
+    """
+    # Questions before you write: how does a running count over the choices, taken in priority
+    # order, give each choice its place in its expert's queue? Which order is "priority order"
+    # for a (T, k) tensor, and how do you flatten it that way?
+    raise NotImplementedError("TODO(task 2): top-k, gates, every choice's slot or -1")
+
+
+def dispatch(
+    x: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor, num_experts: int, capacity: int
+) -> torch.Tensor:
+    """The experts' input buffer (E, C, d): ``buffer[e, c]`` is the row of x whose kept choice of
+    expert e sits in slot c; zeros where no choice sits. Differentiable with respect to ``x``.
+
+    Cost: E C d elements, whatever the routing (GShard's fixed layout).
+    """
+    raise NotImplementedError("TODO(task 2): dispatch into (E, C, d)")
+
+
+def combine(
+    expert_out: torch.Tensor, experts: torch.Tensor, slots: torch.Tensor, gates: torch.Tensor
+) -> torch.Tensor:
+    """The layer's output (T, d): token t gets the sum over its kept choices j of
+    ``gates[t, j] * expert_out[experts[t, j], slots[t, j]]``; a token with none kept gets zeros.
+    Differentiable with respect to ``expert_out`` and ``gates``.
+    """
+    raise NotImplementedError("TODO(task 2): combine (T, d)")
+
+
+# --- tasks 3 and 4: expert parallel ------------------------------------------------------------
+def all_to_all_differentiable(
+    comm: Communicator, pieces: list[torch.Tensor], recv_sizes: list[int] | None = None
+) -> list[torch.Tensor]:
+    """``all_to_all``'s variable form, with a backward: the gradient of entry i of the result
+    reaches rank i's ``pieces[rank]``.
+
+    Contract. As ``all_to_all(comm, pieces, recv_sizes)`` in forward; ``loss.backward()`` on
+    every rank gives every piece that requires grad the gradient that flowed into the rows it
+    became on the receiving rank. Every rank must run the backward exchanges in the same order.
+
+    Cost: forward as ``all_to_all``; backward the same bytes again, without the sizes exchange.
+
+    Read: lecture 10 section 3 (the backward of dispatch is a combine); torch.autograd.Function.
+    """
+    # Questions before you write: what is the backward of a transpose of pieces? Which sizes
+    # does the backward's exchange already know?
+    raise NotImplementedError("TODO(task 3): an all_to_all autograd can differentiate")
+
+
+class ExpertParallelMoE(nn.Module):
+    """A top-k mixture of E experts over p ranks; this rank holds experts [r E/p, (r+1) E/p).
+
+    Contract. Every rank builds the same ``router`` (an ``nn.Linear(d, E, bias=False)``) and
+    passes its own E/p ``experts`` (modules (n, d) -> (n, d), in order); p divides E and every
+    rank has the same number T of tokens. ``layer(x)`` (x: (T, d), this rank's tokens) returns
+    what one process computes for these T tokens with all E experts: ``route`` on
+    ``router(x)`` with capacity from T, every kept choice through its expert wherever it lives,
+    combined with its gate. After every rank's ``loss.backward()``, ``x.grad``, the router's
+    gradient and every local expert's gradients equal one process's on the sum of the ranks'
+    losses (an expert's gradient gathers the tokens of every rank that chose it). Use the
+    ``router`` and ``experts`` you are given (the grader reads their gradients), and your
+    ``all_to_all`` for every exchange.
+
+    Cost, measured in task 4: the bytes the transport carries in one forward and backward, per
+    token, in units of one token's row (d x 8 bytes). What travels is up to you -- GShard's
+    layout sends all E x C slots, padding included; sending only the kept choices sends fewer;
+    is a token's row needed twice on a rank that holds two of its experts? (lecture 10 section 3).
+
+    Read: GShard section 2.2-2.3 and Switch section 2.2 (dispatch, combine, capacity), lecture
+    10 sections 2-3.
+    """
+
+    # Questions before you write. What is the backward of an all-to-all, and which sizes does it
+    # already know? In which order do the ranks' backward exchanges run, and is it the same on
+    # every rank? What does a rank need to know about a row it receives to send the right answer
+    # back, and can that travel in the same message? For task 4: which rows does the layout you
+    # chose send that no expert needs, and how many times does a row travel to one rank?
+    def __init__(
+        self,
+        router: nn.Linear,
+        experts: list[nn.Module],
+        comm: Communicator,
+        num_experts: int,
+        top_k: int,
+        capacity_factor: float | None,
+    ) -> None:
+        super().__init__()
+        raise NotImplementedError("TODO(task 3): keep what forward needs")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError("TODO(task 3): route, send, compute, send back, combine")
