@@ -35,6 +35,7 @@ ASSIGNMENTS = [
     "a5_model_parallel",
     "a6_inference",
     "a7_zero",
+    "a8_experts",
 ]
 #: at least this many public tests per assignment (a stub release that lost a file shows here)
 MIN_PUBLIC = {
@@ -45,6 +46,7 @@ MIN_PUBLIC = {
     "a5_model_parallel": 7,
     "a6_inference": 8,
     "a7_zero": 5,
+    "a8_experts": 7,
 }
 CHEAT = ROOT / "tests" / "grader" / "a1_cheating"
 
