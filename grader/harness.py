@@ -21,8 +21,9 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import subprocess
+import signal
 import sys
+import tempfile
 import time
 import traceback
 
@@ -68,6 +69,8 @@ def run_job(job: dict, folder: str) -> dict:
             args=tuple(job["args"]),
             transport=job["transport"],
             timeout=job["timeout"],
+            start_method="fork",  # this process has torch and minidist loaded: a fork costs ms, a fork
+            # server seconds (its own interpreter importing both again, once per submission)
         )
     except md.WorkerError as error:
         return {
@@ -86,11 +89,61 @@ def run_job(job: dict, folder: str) -> dict:
     return {"value": Encoder(folder, job["id"]).encode(outs)}
 
 
-#: the probe imports a student module as the workers do: behind the assignment's guard
-PROBE = (
-    "import importlib, sys; import guard, rules; guard.install_rules(rules); "
-    "importlib.import_module(sys.argv[1]); print('probe: imported')"
-)
+def _import_behind_guard(name: str, stdout: int, stderr: int) -> int:
+    """In the forked probe child: import ``name`` as the workers do, behind the assignment's guard
+    (``guard.py``, ``rules.py``), its output into the two files; the exit code to leave with."""
+    os.dup2(stdout, 1)
+    os.dup2(stderr, 2)
+    code = 1
+    try:
+        import guard  # the sandbox's working directory holds them, beside this file
+        import rules
+
+        guard.install_rules(rules)
+        importlib.import_module(name)
+        print("probe: imported")
+        code = 0
+    except SystemExit as stop:  # sys.exit(n) at import time: the code a fresh interpreter would give
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        if isinstance(stop.code, str):
+            print(stop.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return code
+
+
+def _probe_one(name: str, seconds: float = 120.0) -> tuple[int | None, str, bool]:
+    """(exit code or None when it did not finish, the end of its stderr, whether it finished)."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        pid = os.fork()  # this process has torch loaded: a fork, not a fresh interpreter (seconds)
+        if pid == 0:
+            code = 1
+            try:
+                code = _import_behind_guard(name, out.fileno(), err.fileno())
+            finally:
+                os._exit(code & 0xFF)
+        deadline = time.monotonic() + seconds
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                returncode = os.waitstatus_to_exitcode(status)
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                returncode = None
+                break
+            time.sleep(0.01)
+        out.seek(0)
+        err.seek(0)
+        stdout = out.read().decode(errors="replace")
+        stderr = err.read()[-4 * MAX_TEXT :].decode(errors="replace")
+    if returncode is None:
+        stderr = f"{stderr}importing it did not finish within {seconds:g} s"
+    return returncode, stderr, "probe: imported" in stdout
 
 
 def probe_imports(modules: list[str], folder: str) -> bool:
@@ -100,14 +153,7 @@ def probe_imports(modules: list[str], folder: str) -> bool:
     assignment's guard (``guard.py``, ``rules.py``) before the import, as every worker
     does: no code of the student's runs unguarded, not even here."""
     for name in modules:
-        code = PROBE
-        try:
-            child = subprocess.run(
-                [sys.executable, "-s", "-c", code, name], capture_output=True, text=True, timeout=120
-            )
-            returncode, stderr, finished = child.returncode, child.stderr, "probe: imported" in child.stdout
-        except subprocess.TimeoutExpired:
-            returncode, stderr, finished = None, "importing it did not finish within 120 s", False
+        returncode, stderr, finished = _probe_one(name)
         if returncode != 0 or not finished:  # os._exit(0) at import: code 0, never finished
             with open(os.path.join(folder, "probe.json"), "w") as file:
                 json.dump({"module": name, "returncode": returncode, "stderr": stderr[-MAX_TEXT:]}, file)
