@@ -73,7 +73,7 @@ def run_ep(comm, case: str) -> dict:
     before = comm.stats.copy()
     loss.backward()
     backward = comm.stats - before
-    routing = ep.moe_settings.route(x.detach())  # the same decisions, to count off-rank rows
+    routing = ep.route(x.detach())  # the same decisions, to count off-rank rows
     off = experts.off_rank_assignments(routing.experts, routing.kept, comm.rank, ep.per_rank)
     return {
         "y": y.detach(),

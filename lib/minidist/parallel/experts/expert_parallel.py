@@ -40,7 +40,7 @@ from minidist.collectives import all_to_all
 
 from ...comm import Communicator
 from .layer import MoELayer
-from .routing import MoEStats, route
+from .routing import MoEStats, Routing, route
 
 __all__ = ["ExpertParallelMoE", "distribute_experts"]
 
@@ -96,14 +96,17 @@ class ExpertParallelMoE(nn.Module):
         self.last_stats: MoEStats | None = None
         self.received: list[int] = []
         self.rows_from: list[int] = []
-        # a plain attribute, not a submodule: the one-process layer is only where the settings live
-        object.__setattr__(self, "moe_settings", moe)
+        # the routing rule's settings (no reference to ``moe``: its other experts can be freed)
+        self.capacity_factor, self.renormalize = moe.capacity_factor, moe.renormalize
+
+    def route(self, x: torch.Tensor) -> Routing:
+        """This rank's routing of the rows of ``x`` (T, d): the one-process layer's rule."""
+        return route(self.router(x), self.top_k, self.capacity_factor, self.renormalize)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         comm, p, per = self.comm, self.comm.world_size, self.per_rank
         flat = x.reshape(-1, self.d_model)
-        settings = self.moe_settings  # the same rule as the one-process layer's
-        routing = route(self.router(flat), settings.top_k, settings.capacity_factor, settings.renormalize)
+        routing = self.route(flat)
         token, slot, expert = routing.assignments()  # sorted by expert: one block per destination
 
         # 1. how many rows of each of my experts will each rank send me?

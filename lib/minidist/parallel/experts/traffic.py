@@ -135,7 +135,8 @@ class TensorParallelExperts(nn.Module):
                 "TensorParallelExperts splits routed experts only: build the MoELayer without shared experts"
             )
         self.comm = comm
-        object.__setattr__(self, "settings", moe)
+        self.d_model, self.num_experts, self.top_k = moe.d_model, moe.num_experts, moe.top_k
+        self.capacity_factor, self.renormalize = moe.capacity_factor, moe.renormalize
         self.router = copy.deepcopy(moe.router)  # replicated
         rows = slice(r * f // p, (r + 1) * f // p)
         self.up, self.gate, self.down = nn.ParameterList(), nn.ParameterList(), nn.ParameterList()
@@ -151,14 +152,13 @@ class TensorParallelExperts(nn.Module):
         self.last_stats: MoEStats | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        moe = self.settings
-        flat = x.reshape(-1, moe.d_model)
-        routing = route(self.router(flat), moe.top_k, moe.capacity_factor, moe.renormalize)  # replicated
+        flat = x.reshape(-1, self.d_model)
+        routing = route(self.router(flat), self.top_k, self.capacity_factor, self.renormalize)  # replicated
         # f operators: the experts' input and the gates feed rank-local partial sums, so their
         # gradients are summed over the ranks in backward (the router's own work is replicated)
         rows, gates = _Copy.apply(flat, self.comm), _Copy.apply(routing.gates, self.comm)
         partial, bias = torch.zeros_like(flat), torch.zeros_like(flat)
-        for e in range(moe.num_experts):
+        for e in range(self.num_experts):
             token, slot = torch.nonzero((routing.experts == e) & routing.kept, as_tuple=True)
             if not token.numel():
                 continue
