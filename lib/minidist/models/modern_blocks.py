@@ -34,8 +34,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minidist.parallel.experts import ExpertFFN, MoELayer
-
 __all__ = [
     "MLAConfig",
     "RMSNorm",
@@ -204,6 +202,8 @@ def make_attention(cfg) -> nn.Module:
 
 def make_mlp(cfg, layer: int = 0) -> nn.Module:
     """Block ``layer``'s feed-forward: the MLP, a SwiGLU FFN, or a ``MoELayer`` (``cfg.is_moe_layer``)."""
+    from minidist.parallel.experts import ExpertFFN, MoELayer  # only MoE/SwiGLU configs need them
+
     if cfg.is_moe_layer(layer):
         return MoELayer(
             cfg.hidden_size,
