@@ -8,8 +8,8 @@ all-to-all each way. You write it from point-to-point messages up:
 
 * ``all_to_all`` (task 1): the collective, equal and variable pieces, on ``comm.send/recv/isend/irecv``;
 * ``route``, ``dispatch``, ``combine`` (task 2): top-k routing with capacity, on one process;
-* ``ExpertParallelMoE`` (tasks 3 and 4): the layer on p ranks, forward and backward equal to one
-  process; task 4 measures the bytes it sends per token.
+* ``all_to_all_differentiable`` and ``ExpertParallelMoE`` (tasks 3 and 4): the layer on p ranks,
+  forward and backward equal to one process; task 4 measures the bytes it sends per token.
 
 The rules, the same as lecture 10's:
 
@@ -158,16 +158,23 @@ class ExpertParallelMoE(nn.Module):
     rank has the same number T of tokens. ``layer(x)`` (x: (T, d), this rank's tokens) returns
     what one process computes for these T tokens with all E experts: ``route`` on
     ``router(x)`` with capacity from T, every kept choice through its expert wherever it lives,
-    combined with its gate. After every rank's ``loss.backward()``, ``x.grad``, the router's
-    gradient and every local expert's gradients equal one process's on the sum of the ranks'
-    losses (an expert's gradient gathers the tokens of every rank that chose it). Use the
-    ``router`` and ``experts`` you are given (the grader reads their gradients), and your
-    ``all_to_all`` for every exchange.
+    combined with its gate. After every rank's ``loss.backward()`` (each rank its own loss), the
+    gradients equal one process's on the sum of the ranks' losses: ``x.grad`` its tokens', the
+    router's this rank's tokens' only (a replica's, as in data parallelism before averaging),
+    a local expert's the sum over every rank's tokens that reached it. Use the ``router`` and
+    ``experts`` you are given (the grader reads their gradients) and your ``all_to_all`` for
+    every exchange.
 
-    Cost, measured in task 4: the bytes the transport carries in one forward and backward, per
-    token, in units of one token's row (d x 8 bytes). What travels is up to you -- GShard's
-    layout sends all E x C slots, padding included; sending only the kept choices sends fewer;
-    is a token's row needed twice on a rank that holds two of its experts? (lecture 10 section 3).
+    Cost, measured in task 4: the bytes the transport carries from every rank in one forward and
+    backward, over the tokens, in rows of d float64s. What travels is up to you; three layouts,
+    counted from the routing over the four exchanges (dispatch, combine, and their backward):
+
+        GShard's (E, C, d) buffer, padding included           4 (p-1)/p x E x C / T
+        a row per kept choice whose expert is elsewhere       4 x (kept choices on other ranks) / T
+        a token once to each other rank holding any of its
+        kept choices                                          4 x (token, other rank) pairs / T
+
+    (the README gives the tiers; lecture 10 section 3 the layouts).
 
     Read: GShard section 2.2-2.3 and Switch section 2.2 (dispatch, combine, capacity), lecture
     10 sections 2-3.
@@ -175,9 +182,10 @@ class ExpertParallelMoE(nn.Module):
 
     # Questions before you write. What is the backward of an all-to-all, and which sizes does it
     # already know? In which order do the ranks' backward exchanges run, and is it the same on
-    # every rank? What does a rank need to know about a row it receives to send the right answer
-    # back, and can that travel in the same message? For task 4: which rows does the layout you
-    # chose send that no expert needs, and how many times does a row travel to one rank?
+    # every rank -- also on a rank whose experts no token chose? What does a rank need to know
+    # about a row it receives to send the right answer back, and can that travel in the same
+    # message? For task 4: which rows does your layout send that no expert needs, and how many
+    # times does one token's row travel to one rank? Where can a weighted sum be formed?
     def __init__(
         self,
         router: nn.Linear,
