@@ -202,7 +202,11 @@ def make_attention(cfg) -> nn.Module:
 
 def make_mlp(cfg, layer: int = 0) -> nn.Module:
     """Block ``layer``'s feed-forward: the MLP, a SwiGLU FFN, or a ``MoELayer`` (``cfg.is_moe_layer``)."""
-    from minidist.parallel.experts import ExpertFFN, MoELayer  # only MoE/SwiGLU configs need them
+    if cfg.activation == "gelu" and cfg.bias and not cfg.is_moe_layer(layer):
+        from minidist.models.transformer import MLP  # (that module imports this one)
+
+        return MLP(cfg)
+    from minidist.parallel.experts import ExpertFFN, MoELayer  # only MoE/SwiGLU configs load them
 
     if cfg.is_moe_layer(layer):
         return MoELayer(
@@ -215,8 +219,4 @@ def make_mlp(cfg, layer: int = 0) -> nn.Module:
             bias=cfg.bias,
             num_shared_experts=cfg.num_shared_experts,
         )
-    if cfg.activation == "gelu" and cfg.bias:
-        from minidist.models.transformer import MLP
-
-        return MLP(cfg)
     return ExpertFFN(cfg.hidden_size, cfg.ffn_size, cfg.activation, cfg.bias)
