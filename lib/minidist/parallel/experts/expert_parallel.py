@@ -119,7 +119,9 @@ class ExpertParallelMoE(nn.Module):
         arrived = _AllToAll.apply(flat[token], self.router.weight, send_sizes, recv_sizes, comm)
 
         # 3. my experts; the rows that arrived are grouped by source rank, then by expert
-        local_id = torch.repeat_interleave(torch.arange(per).repeat(p), from_each.reshape(-1))
+        local_id = torch.repeat_interleave(
+            torch.arange(per, device=flat.device).repeat(p), from_each.reshape(-1)
+        )
         results = arrived * 0  # (not zeros_like: the dispatch's backward must run even with no rows here)
         for j, expert_ffn in enumerate(self.experts):
             rows = torch.nonzero(local_id == j).squeeze(1)
