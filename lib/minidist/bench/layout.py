@@ -106,9 +106,10 @@ def timed_stage(
 ) -> nn.Sequential:
     """Stage ``stage`` of ``cfg`` as TimedLayers for ``tokens`` tokens a microbatch: per block an
     attention part (6 (4d^2 + 8d) + 12 s d FLOPs a token, split over tp) and an MLP part
-    (6 (2df + f + d)), each wrapped in TP's f and g; the first stage's embedding part, the last
-    stage's output layer (6 V d + 12 d). FLOPs add up to ``stage_flops_per_token``; parameters
-    to ``stage_parameter_count`` (forward 1/3 of the time, backward 2/3)."""
+    (6 (2df + f + d)), each wrapped in TP's f and g; the first stage's embedding part (and the
+    final norm's FLOPs), the last stage's output layer (6 V d). FLOPs add up to
+    ``stage_flops_per_token``, parameters to ``stage_parameter_count`` (forward 1/3 of the time,
+    backward 2/3)."""
     d, f, t, pp = cfg.hidden_size, cfg.ffn_size, layout.tp, layout.pp
 
     def timed(numel: int, flops_per_token: float) -> TimedLayer:
@@ -118,17 +119,17 @@ def timed_stage(
     parts = []
     rest = cfg.type_vocab_size * d + (cfg.max_positions * d if cfg.position == "learned" else 0)
     rest += 2 * d if cfg.embedding_layernorm else 0
-    if stage == 0:
-        parts.append(timed(cfg.vocab_size * d // t + rest, 6 * rest))
+    final = 2 * d if cfg.pre_ln else 0
+    if stage == 0:  # the final norm's FLOPs counted here, as stage_flops_per_token does
+        parts.append(timed(cfg.vocab_size * d // t + rest, 6 * (rest + final)))
     for _ in range(cfg.n_layers // pp):
         attention = (3 * d * d + 3 * d) // t + d * d // t + d + 2 * d
         mlp = (d * f + f) // t + f * d // t + d + 2 * d
         parts.append(_parallel(timed(attention, 6 * (4 * d * d + 8 * d) + 12 * batch.seq * d), tp_comm))
         parts.append(_parallel(timed(mlp, 6 * (2 * d * f + f + d)), tp_comm))
     if stage == pp - 1:
-        final = 2 * d if cfg.pre_ln else 0
         word = cfg.vocab_size * d // t if pp > 1 else 0  # the tied table's copy on the last stage
-        parts.append(timed(final + word, 6 * cfg.vocab_size * d + 6 * final))
+        parts.append(timed(final + word, 6 * cfg.vocab_size * d))
     return nn.Sequential(*parts)
 
 

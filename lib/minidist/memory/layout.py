@@ -29,13 +29,12 @@ from dataclasses import dataclass, field
 from minidist.memory import step_time as st
 from minidist.memory.cluster import Batch, Cluster
 from minidist.memory.context_parallel import activation_bytes_per_layer_cp
-from minidist.memory.model_states import PRECISIONS, stage_parameter_count
 from minidist.memory.per_rank import estimate
+from minidist.models import counting, transformer
 from minidist.models.transformer import TransformerConfig
 
 __all__ = [
     "Layout",
-    "MoE",
     "Prediction",
     "dp_critical_tokens",
     "enumerate_layouts",
@@ -44,14 +43,6 @@ __all__ = [
     "stage_flops_per_token",
     "tp_collapse_factor",
 ]
-
-
-@dataclass(frozen=True)
-class MoE:
-    """Every block's MLP becomes ``num_experts`` experts, each token routed to ``top_k`` of them."""
-
-    num_experts: int
-    top_k: int = 2
 
 
 @dataclass(frozen=True)
@@ -91,89 +82,57 @@ class Prediction:
     tokens_per_s: float = 0.0
 
 
-def _moe_of(cfg: TransformerConfig, moe: MoE | None) -> MoE | None:
-    if moe is not None:
-        return moe
-    experts = getattr(cfg, "num_experts", 0) or 0  # a MoE decoder config, when models has one
-    return MoE(experts, getattr(cfg, "top_k", 2)) if experts > 1 else None
+def stage_flops_per_token(cfg: TransformerConfig, seq: int, pp: int = 1, stage: int = 0) -> float:
+    """Training FLOPs per token of pipeline stage ``stage`` (forward + backward: 6 per active weight):
 
+        layers  sum over the stage's blocks of 6 x active parameters + 12 s d   (attention scores)
+        last    + 6 V d   (the output layer: the word table as a matmul)
+        first   + 6 x the rest (positions, segments, norms outside the blocks)
 
-def _mlp_params(cfg: TransformerConfig) -> int:
-    d, f = cfg.hidden_size, cfg.ffn_size
-    return 2 * d * f + f + d
-
-
-def stage_flops_per_token(
-    cfg: TransformerConfig, seq: int, pp: int = 1, stage: int = 0, moe: MoE | None = None
-) -> float:
-    """Training FLOPs per token of pipeline stage ``stage`` (forward + backward, 6 per active weight):
-
-        layers  n_layers/pp x [6 (4d^2 + 8d + k (2df + f + d) + dE) + 12 s d]   (k = 1, no router
-                                                                               for a dense model)
-        last    + 6 V d  (the output layer: the tied word table as a matmul)
-        first   + 6 x (position table + segments + LayerNorms): what ``flops_per_token`` counts
-
-    Summed over the stages of a dense model this is ``memory.flops_per_token(cfg, seq)``."""
-    moe = _moe_of(cfg, moe)
-    d = cfg.hidden_size
-    k, router = (moe.top_k, d * moe.num_experts) if moe else (1, 0)
-    block = 4 * d * d + 8 * d + k * _mlp_params(cfg) + router  # Q, K, V, out (+ biases), 2 LayerNorms
-    flops = cfg.n_layers // pp * (6 * block + 12 * seq * d)
+    Active parameters are ``models.counting``'s (a MoE block: router, top_k routed and the shared
+    experts). Summed over the stages this is ``memory.flops_per_token(cfg, seq)``."""
+    d, layers = cfg.hidden_size, cfg.n_layers
+    total = (
+        transformer.parameter_count(cfg) if cfg.classic else counting.transformer_parameter_count(cfg, True)
+    )
+    blocks = [counting.block_parameter_count(cfg, layer, active=True) for layer in range(layers)]
+    mine = range(stage * layers // pp, (stage + 1) * layers // pp)
+    flops = sum(6 * blocks[layer] + 12 * seq * d for layer in mine)
     if stage == pp - 1:
-        flops += 6 * cfg.vocab_size * d + (12 * d if cfg.pre_ln else 0)
+        flops += 6 * cfg.vocab_size * d
     if stage == 0:
-        rest = cfg.type_vocab_size * d + (cfg.max_positions * d if cfg.position == "learned" else 0)
-        flops += 6 * (rest + (2 * d if cfg.embedding_layernorm else 0))
+        flops += 6 * (total - sum(blocks) - cfg.vocab_size * d)
     return float(flops)
 
 
 def _embedding_params(cfg: TransformerConfig, tp: int) -> int:
-    """Parameters of the embedding on one rank: the word table's 1/tp, positions, segments, LayerNorm."""
+    """Parameters of the embedding on one rank: the word table's 1/tp, positions, segments, norm."""
     d = cfg.hidden_size
     rest = cfg.type_vocab_size * d + (cfg.max_positions * d if cfg.position == "learned" else 0)
-    return cfg.vocab_size * d // tp + rest + (2 * d if cfg.embedding_layernorm else 0)
+    return (
+        cfg.vocab_size * d // tp
+        + rest
+        + (counting.norm_parameter_count(cfg) if cfg.embedding_layernorm else 0)
+    )
 
 
-def _expert_extra(cfg: TransformerConfig, moe: MoE | None, layout: Layout) -> int:
-    """Parameters a device holds beyond the one MLP a block of ``estimate`` counts: its E/ep
-    experts (split by tp) instead of one, and the router."""
-    if moe is None:
-        return 0
-    per_layer = (moe.num_experts // layout.ep - 1) * _mlp_params(
-        cfg
-    ) // layout.tp + cfg.hidden_size * moe.num_experts
-    return cfg.n_layers // layout.pp * per_layer
-
-
-def _memory(
-    cfg, batch: Batch, layout: Layout, precision: str, moe: MoE | None, recompute: str
+def _stage_memory(
+    cfg, batch: Batch, layout: Layout, stage: int, precision: str, recompute: str
 ) -> dict[str, int]:
-    """``estimate`` of the fuller of the first and last stage (with cp > 1 its activations are
-    ``activation_bytes_per_layer_cp``'s: ring attention at S/cp tokens), plus the extra experts
-    (model states sharded by ZeRO over their data-parallel group, dp x cp / ep)."""
+    """``estimate`` for one stage (ZeRO over dp x cp, experts over dp x cp / ep); with cp > 1 a
+    classic block's activations are ``activation_bytes_per_layer_cp``'s (ring attention at
+    S/cp tokens, no s^2 scores)."""
     micro = layout.microbatch if layout.pp > 1 else batch.sequences // layout.dp
-    best = None
-    for stage in {0, layout.pp - 1}:
-        mem = estimate(cfg, batch=micro, seq=batch.seq // layout.cp, zero_stage=layout.zero,
-                       dp=layout.dp * layout.cp, tp=layout.tp, pp=layout.pp, stage=stage,
-                       precision=precision, recompute=recompute)  # fmt: skip
-        if layout.cp > 1:  # ring attention keeps no s^2 scores: its own per-layer formula
-            per_layer = activation_bytes_per_layer_cp(batch.seq, micro, cfg.hidden_size, cfg.n_heads,
-                                                      cp=layout.cp, tp=layout.tp)  # fmt: skip
-            acts = round(per_layer * (cfg.n_layers // layout.pp) * (layout.pp - stage))
-            mem["total"] += acts - mem["activations"]
-            mem["activations"] = acts
-        if best is None or mem["total"] > best["total"]:
-            best = mem
-    extra = _expert_extra(cfg, moe, layout)
-    if extra:
-        group = max(1, layout.dp * layout.cp // layout.ep)
-        shard = -(-extra // group)
-        for key, nbytes, stage in zip(("params", "grads", "optimizer"), PRECISIONS[precision], (3, 2, 1)):
-            add = nbytes * (shard if layout.zero >= stage else extra)
-            best[key] += add
-            best["total"] += add
-    return best
+    mem = estimate(cfg, batch=micro, seq=batch.seq // layout.cp, zero_stage=layout.zero,
+                   dp=layout.dp * layout.cp, tp=layout.tp, pp=layout.pp, stage=stage, ep=layout.ep,
+                   precision=precision, recompute=recompute)  # fmt: skip
+    if layout.cp > 1 and cfg.classic:
+        per_layer = activation_bytes_per_layer_cp(batch.seq, micro, cfg.hidden_size, cfg.n_heads,
+                                                  cp=layout.cp, tp=layout.tp)  # fmt: skip
+        acts = round(per_layer * (cfg.n_layers // layout.pp) * (layout.pp - stage))
+        mem["total"] += acts - mem["activations"]
+        mem["activations"] = acts
+    return mem
 
 
 def predict(
@@ -183,7 +142,6 @@ def predict(
     layout: Layout,
     *,
     precision: str = "mixed",
-    moe: MoE | None = None,
     dp_overlap: float = 1.0,
     recompute: str = "none",
 ) -> Prediction:
@@ -193,35 +151,37 @@ def predict(
     or "fp32" (our CPU runs). ``dp_overlap`` is the fraction of backward the gradient
     synchronisation can hide behind when pp = 1 (DDP's buckets) -- all but the embedding's, whose
     gradient is complete only when backward ends; with a pipeline it runs after the flush (our
-    executor, and Megatron's default), hidden behind nothing."""
-    moe = _moe_of(cfg, moe)
+    executor, and Megatron's default), hidden behind nothing. A MoE config (``cfg.num_experts``)
+    splits its experts over ``layout.ep``; like ``estimate``, it takes tp = 1."""
     cfg = padded_vocabulary(cfg, layout.tp)
     e = 2 if precision == "mixed" else 4
     dp, tp, pp, cp, ep = layout.dp, layout.tp, layout.pp, layout.cp, layout.ep
     m = batch.sequences // dp // layout.microbatch if pp > 1 else 1
     micro = layout.microbatch if pp > 1 else batch.sequences // dp
     tokens = micro * batch.seq / cp  # one device's tokens in one microbatch
-    rate, d = cluster.flops_per_s, cfg.hidden_size
+    rate, d, kv = cluster.flops_per_s, cfg.hidden_size, cfg.kv_heads * cfg.head_dim
     layers = cfg.n_layers // pp
     link_tp, link_cp, link_dp = cluster.link(tp), cluster.link(tp * cp), cluster.link(tp * cp * dp)
     link_ep, link_pp = cluster.link(tp * cp * ep), cluster.link(layout.devices)
-    stages = []
+    stages, memories = [], []
     for stage in range(pp):
-        compute = st.compute_s(stage_flops_per_token(cfg, batch.seq, pp, stage, moe) * tokens / tp, rate)
+        mem = _stage_memory(cfg, batch, layout, stage, precision, recompute)
+        memories.append(mem)
+        compute = st.compute_s(stage_flops_per_token(cfg, batch.seq, pp, stage) * tokens / tp, rate)
         tp_s = st.tensor_parallel_s(tokens, d, layers, tp, e, link_tp)
         attention = st.compute_s(layers * 12 * batch.seq * d * tokens / tp, rate)
-        cp_s = st.exposed_s(st.context_parallel_s(tokens, d, layers, cp, tp, e, link_cp), attention)
-        ep_s = st.expert_parallel_s(tokens, d, layers if moe else 0, ep, moe.top_k if moe else 1, e, link_ep)
-        grads = stage_parameter_count(cfg, tp=tp, pp=pp, stage=stage) * e
+        cp_s = st.exposed_s(st.context_parallel_s(tokens, kv, layers, cp, tp, e, link_cp), attention)
+        moe_layers = sum(cfg.is_moe_layer(i) for i in range(stage * layers, (stage + 1) * layers))
+        ep_s = st.expert_parallel_s(tokens, d, moe_layers, ep, cfg.top_k, e, link_ep)
         # the embedding's gradient is complete only when backward ends (its lookup is the first
         # layer; tied, it also waits for the output layer's share): its sync hides behind nothing
-        last = _embedding_params(cfg, tp) * e if stage == 0 and pp == 1 else 0
-        dp_s = st.data_parallel_s(grads - last, dp * cp, link_dp, layout.zero)
-        if moe:
-            expert_grads = layers * (moe.num_experts // ep) * _mlp_params(cfg) // tp * e
-            dp_s += st.data_parallel_s(expert_grads, max(1, dp * cp // ep), link_dp, layout.zero)
+        experts = mem.get("expert_params_count", 0)
+        last = _embedding_params(cfg, tp) if stage == 0 and pp == 1 else 0
+        dense = (mem["params_count"] - experts - last) * e
+        dp_s = st.data_parallel_s(dense, dp * cp, link_dp, layout.zero)
+        dp_s += st.data_parallel_s(experts * e, dp * cp // ep, link_dp, layout.zero)
         hide = 0.0 if pp > 1 else dp_overlap * compute * (1.0 if layout.zero == 3 else 2 / 3)
-        dp_s = st.exposed_s(dp_s, hide) + st.data_parallel_s(last, dp * cp, link_dp, layout.zero)
+        dp_s = st.exposed_s(dp_s, hide) + st.data_parallel_s(last * e, dp * cp, link_dp, layout.zero)
         stages.append(dict(compute=compute, tp=tp_s, cp=cp_s, ep=ep_s, dp=dp_s))
     slots = [s["compute"] + s["tp"] + s["cp"] + s["ep"] for s in stages]
     path = st.pipeline_s(slots, m)
@@ -231,7 +191,7 @@ def predict(
     parts["pp_p2p"] = st.pipeline_p2p_s(tokens, d, pp, e, link_pp)
     parts["dp"] = max(s["dp"] for s in stages)
     step = sum(parts.values())
-    memory = _memory(cfg, batch, layout, precision, moe, recompute)
+    memory = max(memories, key=lambda mem: mem["total"])  # the fullest stage
     fits = memory["total"] <= cluster.memory_bytes
     return Prediction(layout, memory, fits, step, parts, batch.tokens / step)
 
@@ -253,7 +213,6 @@ def enumerate_layouts(
     batch: Batch,
     *,
     precision: str = "mixed",
-    moe: MoE | None = None,
     zero_stages: tuple[int, ...] = (0, 1, 2, 3),
     microbatch: int = 1,
     dp_overlap: float = 1.0,
@@ -262,27 +221,27 @@ def enumerate_layouts(
     """Every layout with dp x tp x pp x cp = ``cluster.devices``, priced by ``predict``, ranked:
     those that fit in memory first, each group by predicted step time.
 
-    Kept: tp divides the heads and the MLP width (the vocabulary is padded: ``padded_vocabulary``);
+    Kept: tp divides the heads and the MLP width (the vocabulary is padded: ``padded_vocabulary``),
+    and is 1 for MoE and newer-block configs (``estimate`` models them without TP);
     pp divides the layers; cp divides the sequence; dp divides the global batch (with pp > 1,
     dp x microbatch divides it); ep > 1 only for a MoE, dividing dp and the experts;
     ZeRO > 0 only with a data-parallel group (dp x cp > 1)."""
-    moe = _moe_of(cfg, moe)
     n = cluster.devices
     plans = []
     for tp, pp, cp in itertools.product(_divisors(n), repeat=3):
         if n % (tp * pp * cp):
             continue
         dp = n // (tp * pp * cp)
-        if cfg.n_heads % tp or cfg.ffn_size % tp or cfg.n_layers % pp:
+        if cfg.n_heads % tp or cfg.ffn_size % tp or cfg.n_layers % pp or (tp > 1 and not cfg.classic):
             continue
         if batch.seq % cp or batch.sequences % (dp * (microbatch if pp > 1 else 1)):
             continue
-        eps = [ep for ep in _divisors(dp) if moe and moe.num_experts % ep == 0] or [1]
+        eps = [ep for ep in _divisors(dp) if cfg.num_experts % ep == 0] if cfg.num_experts else [1]
         for ep, zero in itertools.product(eps, zero_stages):
             if zero and dp * cp == 1:
                 continue
             layout = Layout(dp, tp, pp, cp, ep, zero, microbatch)
-            plans.append(predict(cfg, cluster, batch, layout, precision=precision, moe=moe,
+            plans.append(predict(cfg, cluster, batch, layout, precision=precision,
                                  dp_overlap=dp_overlap, recompute=recompute))  # fmt: skip
     return sorted(plans, key=lambda p: (not p.fits, p.step_s))
 

@@ -10,6 +10,7 @@ nodes by the links' bandwidth ratio. None of these launches; the last test runs
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -23,7 +24,6 @@ from minidist.memory import step_time as st
 from minidist.memory.cluster import LAPTOP_1G, Batch, Cluster, h100_cluster, laptop_cluster
 from minidist.memory.layout import (
     Layout,
-    MoE,
     dp_critical_tokens,
     enumerate_layouts,
     predict,
@@ -40,7 +40,9 @@ WIDE = decoder._decoder(2, 4096, 32, vocab=512, positions=64)
 LINK = LinkSpec(alpha_s=1e-5, bandwidth_Bps=1e9)
 
 
-@pytest.mark.parametrize("name", ["mini", "gpt3-175b", "bloom-176b"])
+@pytest.mark.parametrize(
+    "name", ["mini", "gpt3-175b", "bloom-176b", "moe-tiny", "mixtral-8x7b", "deepseek-v3"]
+)
 @pytest.mark.parametrize("stages", [1, 2])
 def test_stage_flops_add_up_to_flops_per_token(name, stages):
     cfg = decoder.CONFIGS[name]
@@ -48,12 +50,14 @@ def test_stage_flops_add_up_to_flops_per_token(name, stages):
     assert total == pytest.approx(memory.flops_per_token(cfg, 512), rel=1e-12)
 
 
-def test_moe_flops_count_top_k_experts_and_the_router():
-    moe = MoE(num_experts=8, top_k=2)
-    d, f = MINI.hidden_size, MINI.ffn_size
-    extra = MINI.n_layers * 6 * ((2 * d * f + f + d) + d * 8)  # one more expert a token, the router
-    got = stage_flops_per_token(MINI, 128, moe=moe) - stage_flops_per_token(MINI, 128)
-    assert got == extra
+def test_moe_flops_count_top_k_experts_not_all():
+    """A MoE block costs its router and top_k experts a token (``counting``'s active count)."""
+    cfg = decoder.CONFIGS["moe-tiny"]
+    dense = dataclasses.replace(cfg, num_experts=0)
+    d, width = cfg.hidden_size, cfg.moe_d_ffn or cfg.ffn_size
+    expert = 3 * d * width  # swiglu, no bias: up, gate, down
+    extra = cfg.n_layers * 6 * ((cfg.top_k - 1) * expert + d * cfg.num_experts)
+    assert stage_flops_per_token(cfg, 128) - stage_flops_per_token(dense, 128) == extra
 
 
 def test_collective_times_are_the_ring_formulas():
@@ -193,17 +197,23 @@ def test_memory_is_the_calculators_and_layouts_over_memory_rank_last():
 
 
 def test_moe_layouts_split_experts_over_data_parallel_ranks():
-    moe = MoE(num_experts=4, top_k=2)
-    plans = enumerate_layouts(MINI, LAPTOP_1G, Batch(8, 128), precision="fp32", moe=moe, zero_stages=(0,))
+    """EP inside DP (ep divides dp and the experts), no TP for a MoE config (``estimate``'s limit);
+    memory is ``estimate(ep=)``'s; the all-to-alls are charged only with ep > 1."""
+    cfg, batch = decoder.CONFIGS["moe-tiny"], Batch(8, 128)
+    plans = enumerate_layouts(cfg, LAPTOP_1G, batch, precision="fp32", zero_stages=(0,))
     eps = {(p.layout.dp, p.layout.ep) for p in plans}
-    assert (4, 4) in eps and (4, 2) in eps and (2, 2) in eps and all(dp % ep == 0 for dp, ep in eps)
-    assert all(p.layout.ep == 1 for p in enumerate_layouts(MINI, LAPTOP_1G, Batch(8, 128), zero_stages=(0,)))
-    full = predict(MINI, LAPTOP_1G, Batch(8, 128), Layout(dp=4, ep=4), precision="fp32", moe=moe)
-    one = predict(MINI, LAPTOP_1G, Batch(8, 128), Layout(dp=4, ep=1), precision="fp32", moe=moe)
-    d, f = MINI.hidden_size, MINI.ffn_size
-    extra_experts = MINI.n_layers * 3 * (2 * d * f + f + d)  # ep 1 holds 3 more experts a layer
-    assert one.memory["params"] - full.memory["params"] == 4 * extra_experts  # fp32 weights
-    assert full.parts["ep"] > 0 and one.parts["ep"] == 0
+    assert {(4, 4), (4, 2), (2, 2), (4, 1)} <= eps and all(dp % ep == 0 for dp, ep in eps)
+    assert all(p.layout.tp == 1 for p in plans)
+    assert all(p.layout.ep == 1 for p in enumerate_layouts(MINI, LAPTOP_1G, batch, zero_stages=(0,)))
+    split = predict(cfg, LAPTOP_1G, batch, Layout(dp=4, ep=4), precision="fp32")
+    whole = predict(cfg, LAPTOP_1G, batch, Layout(dp=4, ep=1), precision="fp32")
+    want = memory.estimate(cfg, batch=2, seq=128, dp=4, ep=4, precision="fp32")
+    assert split.memory == want
+    assert whole.memory["params"] - split.memory["params"] == 4 * 3 / 4 * want["expert_params_count"] * 4
+    assert split.parts["ep"] > 0 and whole.parts["ep"] == 0
+    # EP: 4 all-to-alls a MoE layer of the rank's 256 tokens, top-2, d = 64, fp32
+    link = LAPTOP_1G.intra
+    assert split.parts["ep"] == pytest.approx(st.expert_parallel_s(256, 64, 2, 4, 2, 4, link))
 
 
 def test_bad_input_is_refused_with_what_to_do():
