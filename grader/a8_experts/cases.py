@@ -13,7 +13,8 @@ tokens, experts, top-k, capacity factors and routers -- none of them the public 
   factors that drop and one that does not; k = 1, 2, 3) and ``dispatch``/``combine`` on a routing
   drawn at random (so a wrong router does not cost these), values and every gradient;
 * task 3 ``ExpertParallelMoE``: output and every gradient equal to one process on 2 ranks (shm,
-  nothing dropped) and 4 ranks (pipe, with drops);
+  nothing dropped) and 4 ranks (pipe, with drops, and the last rank's experts chosen by no token:
+  that rank receives no rows, and its backward exchanges must run all the same);
 * task 4, measured in tiers: the bytes one forward and backward carries per token (``MEASURED``,
   the same for everyone), in rows of d float64s, with the output and gradients checked first.
 """
@@ -109,8 +110,10 @@ def dispatching_spec(seed: int) -> dict:
     return {"seed": seed * 1000 + 4, "problems": problems}
 
 
-def layer_spec(seed: int, base: int, world: int, factor: float | None) -> dict:
-    """A layer for ``world`` ranks; with a capacity factor, one whose routing drops choices."""
+def layer_spec(seed: int, base: int, world: int, factor: float | None, starve: bool = False) -> dict:
+    """A layer for ``world`` ranks; with a capacity factor, one whose routing drops choices; with
+    ``starve``, one whose last rank's experts no token chooses (that rank receives no rows, and
+    its backward exchanges must run all the same)."""
     rng = random.Random(seed * 1000 + base)
     while True:
         spec = {
@@ -124,7 +127,10 @@ def layer_spec(seed: int, base: int, world: int, factor: float | None) -> dict:
             "seed": rng.randrange(2**20),
         }
         spec["experts"] = max(spec["experts"], 4)
-        if factor is None or ref.dropped(spec, world) > 0:
+        if starve:
+            local = spec["experts"] // world
+            spec["starved"] = list(range(spec["experts"] - local, spec["experts"]))
+        if (factor is None or ref.dropped(spec, world) > 0) and ref.starved(spec, world) == starve:
             return spec
 
 
@@ -132,7 +138,7 @@ def cases(seed: int) -> list[Case]:
     equal = equal_spec(seed)
     uneven = uneven_spec(seed, 4)
     routing, dispatching = routing_spec(seed), dispatching_spec(seed)
-    whole, drops = layer_spec(seed, 5, 2, None), layer_spec(seed, 6, 4, 1.0)
+    whole, drops = layer_spec(seed, 5, 2, None), layer_spec(seed, 6, 4, 1.0, starve=True)
     return [
         Case(
             "test_exchange_equal[3-pipe]",

@@ -232,6 +232,16 @@ def dropped(spec: dict, world: int) -> int:
     return count
 
 
+def starved(spec: dict, world: int) -> bool:
+    """Whether no token of any rank chooses an expert of the last rank."""
+    local = spec["experts"] // world
+    for rank in range(world):
+        logits = workers.make_router(spec)(workers.tokens(spec, rank)).detach()
+        if (route(logits, spec["top_k"], spec["capacity_factor"])[0] >= spec["experts"] - local).any():
+            return False
+    return True
+
+
 def _check_expert_parallel(want: list[dict], outs: list[dict]) -> None:
     for rank, (out, ref) in enumerate(zip(outs, want)):
         where = f"rank {rank}"

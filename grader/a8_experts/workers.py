@@ -175,6 +175,9 @@ def make_router(spec: dict) -> nn.Linear:
     router = seeded_(router, spec["seed"] * 31 + 1).double()
     with torch.no_grad():
         router.weight.mul_(spec["router_scale"])
+        if spec.get("starved"):  # these experts lose every token by far (tokens(): feature 0 is 4)
+            router.weight[:, 0] = 3.0
+            router.weight[spec["starved"], 0] = -3.0
     return router
 
 
@@ -186,7 +189,10 @@ def make_experts(spec: dict) -> list[Expert]:
 
 
 def tokens(spec: dict, rank: int) -> torch.Tensor:
-    return draw([spec["tokens"], spec["width"]], "float64", spec["seed"], 100 + rank)
+    x = draw([spec["tokens"], spec["width"]], "float64", spec["seed"], 100 + rank)
+    if spec.get("starved"):
+        x[:, 0] = 4.0
+    return x
 
 
 def output_weights(spec: dict, rank: int) -> torch.Tensor:

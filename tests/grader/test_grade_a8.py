@@ -48,7 +48,7 @@ def test_the_reference_router_and_mixture_are_the_solutions():
             reference.route(logits, problem["top_k"], problem["capacity_factor"]),
         ):
             assert torch.allclose(got.double(), want.double(), atol=1e-12)
-    layer = cases.layer_spec(0, 6, 4, 1.0)
+    layer = cases.layer_spec(0, 6, 4, 1.0, starve=True)
     router, all_experts = workers.make_router(layer), workers.make_experts(layer)
     x = workers.tokens(layer, 0)
     want = reference.mixture(x, router, all_experts, layer["top_k"], layer["capacity_factor"])
@@ -77,7 +77,8 @@ def test_the_measured_layer_separates_the_three_layouts():
 
 def test_the_seeded_layers_with_a_capacity_drop_choices():
     for seed in range(10):
-        assert reference.dropped(cases.layer_spec(seed, 6, 4, 1.0), 4) > 0
+        starving = cases.layer_spec(seed, 6, 4, 1.0, starve=True)
+        assert reference.dropped(starving, 4) > 0 and reference.starved(starving, 4)
         assert reference.dropped(cases.layer_spec(seed, 5, 2, None), 2) == 0
 
 
