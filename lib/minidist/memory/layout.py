@@ -82,7 +82,9 @@ class Prediction:
     tokens_per_s: float = 0.0
 
 
-def stage_flops_per_token(cfg: TransformerConfig, seq: int, pp: int = 1, stage: int = 0) -> float:
+def stage_flops_per_token(
+    cfg: TransformerConfig, seq: int, pp: int = 1, stage: int = 0, blocks_only: bool = False
+) -> float:
     """Training FLOPs per token of pipeline stage ``stage`` (forward + backward: 6 per active weight):
 
         layers  sum over the stage's blocks of 6 x active parameters + 12 s d   (attention scores)
@@ -90,7 +92,8 @@ def stage_flops_per_token(cfg: TransformerConfig, seq: int, pp: int = 1, stage: 
         first   + 6 x the rest (positions, segments, norms outside the blocks)
 
     Active parameters are ``models.counting``'s (a MoE block: router, top_k routed and the shared
-    experts). Summed over the stages this is ``memory.flops_per_token(cfg, seq)``."""
+    experts). Summed over the stages this is ``memory.flops_per_token(cfg, seq)``.
+    ``blocks_only``: the blocks' share alone."""
     d, layers = cfg.hidden_size, cfg.n_layers
     total = (
         transformer.parameter_count(cfg) if cfg.classic else counting.transformer_parameter_count(cfg, True)
@@ -98,6 +101,8 @@ def stage_flops_per_token(cfg: TransformerConfig, seq: int, pp: int = 1, stage: 
     blocks = [counting.block_parameter_count(cfg, layer, active=True) for layer in range(layers)]
     mine = range(stage * layers // pp, (stage + 1) * layers // pp)
     flops = sum(6 * blocks[layer] + 12 * seq * d for layer in mine)
+    if blocks_only:
+        return float(flops)
     if stage == pp - 1:
         flops += 6 * cfg.vocab_size * d
     if stage == 0:
@@ -148,7 +153,7 @@ def predict(
     """Memory per device and seconds per step of ``layout`` (see the module and ``step_time``).
 
     ``precision`` "mixed" (16-bit activations and gradients, 16 bytes a parameter of states)
-    or "fp32" (our CPU runs). ``dp_overlap`` is the fraction of backward the gradient
+    or "fp32" (our CPU runs). ``dp_overlap`` is the fraction of the blocks' backward the gradient
     synchronisation can hide behind when pp = 1 (DDP's buckets) -- all but the embedding's, whose
     gradient is complete only when backward ends; with a pipeline it runs after the flush (our
     executor, and Megatron's default), hidden behind nothing. A MoE config (``cfg.num_experts``)
@@ -180,7 +185,10 @@ def predict(
         dense = (mem["params_count"] - experts - last) * e
         dp_s = st.data_parallel_s(dense, dp * cp, link_dp, layout.zero)
         dp_s += st.data_parallel_s(experts * e, dp * cp // ep, link_dp, layout.zero)
-        hide = 0.0 if pp > 1 else dp_overlap * compute * (1.0 if layout.zero == 3 else 2 / 3)
+        # what DP can hide behind: the blocks' backward (forward too for ZeRO-3's gathers). Not
+        # the output layer's: it runs first, and its gradient (tied: the word table's) is not ready
+        blocks = st.compute_s(stage_flops_per_token(cfg, batch.seq, pp, stage, True) * tokens / tp, rate)
+        hide = 0.0 if pp > 1 else dp_overlap * blocks * (1.0 if layout.zero == 3 else 2 / 3)
         dp_s = st.exposed_s(dp_s, hide) + st.data_parallel_s(last * e, dp * cp, link_dp, layout.zero)
         stages.append(dict(compute=compute, tp=tp_s, cp=cp_s, ep=ep_s, dp=dp_s))
     slots = [s["compute"] + s["tp"] + s["cp"] + s["ep"] for s in stages]
