@@ -28,7 +28,15 @@ from grade_helpers import (
 from grader import grade
 
 ROOT = Path(__file__).resolve().parents[3]
-ASSIGNMENTS = ["a1_collectives", "a3_ddp", "a4_compression", "a5_model_parallel", "a6_inference", "a7_zero"]
+ASSIGNMENTS = [
+    "a1_collectives",
+    "a3_ddp",
+    "a4_compression",
+    "a5_model_parallel",
+    "a6_inference",
+    "a7_zero",
+    "a8_experts",
+]
 EVERY_ASSIGNMENT = sorted([*ASSIGNMENTS, "a2_async"])
 
 
