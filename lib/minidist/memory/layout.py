@@ -271,10 +271,11 @@ def dp_critical_tokens(
 
     Austin et al., "How to Scale Your Model" (2025), part 5, "Data Parallelism": compute-bound
     while B/X > C/W_ici; for TPU v5p (C = 4.6e14, W = 2 x 9e10 over a bidirectional ICI ring)
-    "at least 2,550". ``cluster`` gives C = peak x mfu and W = its inter-node link; or pass
-    them. ``ranks`` None means many (the factor (q-1)/q -> 1)."""
+    "at least 2,550". ``cluster`` gives C = peak x mfu and W = the link of ``ranks`` ranks
+    (default: all of them; one node's NVLink, or the NICs across nodes); or pass them. ``ranks``
+    None means many (the factor (q-1)/q -> 1): 879 tokens on 8 H100s' NVLink, 7,912 across nodes."""
     c = flops_per_s if flops_per_s is not None else cluster.flops_per_s
-    w = bandwidth_Bps if bandwidth_Bps is not None else cluster.inter.bandwidth_Bps
+    w = bandwidth_Bps if bandwidth_Bps is not None else cluster.link(ranks or cluster.devices).bandwidth_Bps
     ring = 1.0 if ranks is None else (ranks - 1) / ranks
     return ring * grad_bytes / 2 * c / w
 

@@ -98,6 +98,9 @@ def test_dp_threshold_is_the_scaling_books_number():
     C = 4.6e14 FLOP/s, W = 2 x 9e10 B/s (bidirectional ICI ring): "our batch size per chip must be
     at least 2,550 to avoid being communication-bound"."""
     assert dp_critical_tokens(flops_per_s=4.6e14, bandwidth_Bps=2 * 9e10) == pytest.approx(2550, rel=0.005)
+    # the presets: C = 989 TFLOP/s x 0.4 over one node's NVLink (450 GB/s) or 2 nodes' NICs (50 GB/s)
+    assert dp_critical_tokens(h100_cluster(1)) == pytest.approx(395.6e12 / 450e9)
+    assert dp_critical_tokens(h100_cluster(2)) == pytest.approx(395.6e12 / 50e9)
     # fp32 gradients double it; a ring of q ranks sends (q-1)/q of them
     assert dp_critical_tokens(flops_per_s=4.6e14, bandwidth_Bps=2 * 9e10, grad_bytes=4, ranks=4) == (
         pytest.approx(2 * 0.75 * 4.6e14 / 1.8e11)
