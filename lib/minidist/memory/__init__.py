@@ -27,6 +27,12 @@ splits the layers. Activations depend on the batch, the sequence and the recompu
                    per rank: 1/cp), ``activation_bytes_per_layer_cp(s, b, h, a, cp, tp)`` (a layer)
     flops          ``flops_per_token(cfg, seq)``, ``training_days(cfg, tokens, n_devices, peak_flops,
                    utilisation)``
+    cluster        ``Cluster`` (devices, memory, FLOP/s, intra- and inter-node links), ``Batch``,
+                   ``h100_cluster(nodes)``, ``laptop_cluster(devices)``, ``LAPTOP_1G``
+    step_time      seconds of a step, a formula per parallelism (alpha-beta for every message)
+    layout         ``enumerate_layouts(cfg, cluster, batch)``: every DP x TP x PP x CP x EP x ZeRO
+                   layout with its memory and step time, ranked; ``predict``,
+                   ``dp_critical_tokens``, ``tp_collapse_factor`` (import from the module)
 
 Each formula is checked against what torch actually holds by the measurements of
 ``minidist.measure`` (foundations, so that models can use them too), re-exported here for the
