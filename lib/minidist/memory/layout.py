@@ -4,8 +4,8 @@
     best = next(p for p in plans if p.fits)      # ranked: layouts that fit first, then by step time
     best.layout, best.step_s, best.parts, best.memory["total"]
 
-For each layout ``predict`` says the bytes a device holds (``memory.estimate``, plus the experts
-of a MoE) and the seconds of a step (``step_time``: compute from FLOPs, every message by
+For each layout ``predict`` says the bytes a device holds (``memory.estimate``, a MoE's
+experts included) and the seconds of a step (``step_time``: compute from FLOPs, every message by
 alpha-beta). Ranks are numbered with TP innermost, then CP, DP (EP inside DP), PP outermost, so
 a group's span -- and with it its link, ``Cluster.link`` -- is:
 
