@@ -25,7 +25,7 @@ the layers are written down::
     parallel     parallel
     data         data
     models       models glove
-    tools        memory serve bench
+    tools        memory serve bench checkpoint
 
 Foundations declare the types (``comm.Communicator``, ``comm.Handle``) and pure tensor math;
 transports move bytes between ranks; collectives are written against the communicator only;
