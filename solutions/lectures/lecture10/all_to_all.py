@@ -1,0 +1,46 @@
+"""Lecture 10, Try it 1: the all-to-all from point-to-point messages, and the rank body that checks it."""
+
+import torch
+
+import minidist as md
+
+
+def my_all_to_all(comm: md.Communicator, t: torch.Tensor) -> torch.Tensor:
+    """Row j of ``t`` (shape (p, *chunk)) goes to rank j; row i of the result came from rank i.
+
+    Pairwise exchange: in step s = 1 .. p-1 this rank sends its row for rank (rank + s) mod p
+    and receives the row of rank (rank - s) mod p; its own row it copies. Post the send with
+    ``comm.isend(tensor, dst)`` (it returns a handle: ``.wait()`` on it) before the blocking
+    ``comm.recv(buffer, src)``, so that every rank's receive has its matching send in flight.
+    Cost: p-1 messages, (p-1)/p of ``t``'s bytes sent.
+    """
+    ### BEGIN SOLUTION TODO(Try it 1): the pairwise exchange, p-1 steps
+    p, r = comm.world_size, comm.rank
+    source = t.contiguous()
+    out = torch.empty_like(source)
+    out[r] = source[r]
+    for step in range(1, p):
+        dst, src = (r + step) % p, (r - step) % p
+        work = comm.isend(source[dst], dst)
+        comm.recv(out[src], src)
+        work.wait()
+    return out
+    ### END SOLUTION
+
+
+def check_all_to_all(comm: md.Communicator, fn, shapes) -> list[dict]:
+    """Rank body: ``fn`` and ``md.all_to_all`` on the same inputs, for each chunk shape in ``shapes``.
+
+    Returns, per shape: whether the results are equal, the bytes ``fn`` sent and the input's bytes.
+    The library's all-to-all is switched off while ``fn`` runs."""
+    gen = torch.Generator().manual_seed(10 + comm.rank)
+    results = []
+    for chunk in shapes:
+        t = torch.randn((comm.world_size, *chunk), generator=gen, dtype=torch.float64)
+        want = md.all_to_all(comm, t)
+        before = comm.stats.copy()
+        with md.switched_off("Try it 1", md.all_to_all):
+            got = fn(comm, t)
+        sent = (comm.stats - before).bytes_sent
+        results.append({"equal": torch.equal(got, want), "sent": sent, "input_bytes": t.numel() * 8})
+    return results
