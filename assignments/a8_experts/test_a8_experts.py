@@ -71,14 +71,15 @@ def test_all_to_all_delivers_uneven_pieces():
         assert out["bytes"][1] == pieces + 2 * 8, "the pieces for the others, and one int64 size to each"
 
 
-def test_route_keeps_first_choices_before_second_choices():
+def test_route_keeps_the_earlier_token_first():
     # 3 tokens, 3 experts, top-2, capacity factor 0.5: C = ceil(0.5 * 3 * 2 / 3) = 1
     logits = torch.tensor([[3.0, 2.0, 0.0], [2.0, 3.0, 0.0], [3.0, 0.0, 2.0]], dtype=torch.float64)
     chosen, gates, slots = experts.route(logits, 2, 0.5)
     assert chosen.tolist() == [[0, 1], [1, 0], [0, 2]]
-    # first choices: token 0 takes expert 0's slot, token 1 expert 1's, token 2 finds expert 0 full;
-    # second choices: token 0 finds expert 1 full, token 1 expert 0, token 2 takes expert 2's slot
-    assert slots.tolist() == [[0, -1], [0, -1], [-1, 0]]
+    # by position: token 0 takes expert 0's slot and expert 1's (its second choice is not pushed
+    # out by token 1's first); token 1 finds both full; token 2 finds expert 0 full, takes expert 2's
+    # (GShard's order, first choices first, would give [[0, -1], [0, -1], [-1, 0]])
+    assert slots.tolist() == [[0, 0], [-1, -1], [-1, 0]]
     top = torch.softmax(torch.tensor([3.0, 2.0], dtype=torch.float64), 0)  # renormalised over the 2
     assert torch.allclose(gates, top.repeat(3, 1), atol=1e-12)
 

@@ -21,8 +21,9 @@ HINTS = {
     "all_to_all": "In step s of a pairwise exchange, whom does rank r send to and receive from, and is "
     "each receive matched by a send the peer posts in the same step? What does a blocking send of a large "
     "message do on pipes? Which bytes did you send that the contract does not list?",
-    "route": "Which order is the priority order of a (T, k) table of choices, and does your running count "
-    "of each expert's queue follow it? Is the gate of k > 1 renormalised over the k choices only?",
+    "route": "Which order is the priority order of a (T, k) table of choices (by position: token, then "
+    "choice), and does your running count of each expert's queue follow it? Is the gate of k > 1 "
+    "renormalised over the k choices only?",
     "dispatch": "Which (expert, slot) does choice (t, j) occupy, and what do the slots no choice occupies "
     "hold? Is every result built from its inputs with operations autograd follows?",
     "ExpertParallelMoE": "What is the backward of your all_to_all, and does every rank run its backward "

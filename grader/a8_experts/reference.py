@@ -2,8 +2,9 @@
 
 Everything here runs in the grader's process on what the ranks reported (plain data). It does not
 import the library's experts or its all-to-all: the reference is this file's own loops -- the
-transpose of pieces, the router with its queues counted one choice at a time in priority order,
-and the mixture computed token by token -- so grading does not move when the library does.
+transpose of pieces, the router with its queues counted one choice at a time in priority order
+(by position: token, then choice), and the mixture computed token by token -- so grading does not
+move when the library does.
 """
 
 from __future__ import annotations
@@ -105,8 +106,8 @@ def route(logits: torch.Tensor, top_k: int, capacity_factor: float | None):
     limit = capacity(tokens, top_k, num_experts, capacity_factor)
     slots = torch.full((tokens, top_k), -1, dtype=torch.int64)
     queue = [0] * num_experts
-    for j in range(top_k):  # every first choice before any second choice
-        for t in range(tokens):  # then the earlier token first
+    for t in range(tokens):  # by position: the earlier token first
+        for j in range(top_k):  # then a token's choices in order
             e = int(chosen[t, j])
             if queue[e] < limit:
                 slots[t, j] = queue[e]

@@ -18,9 +18,17 @@ The rules, the same as lecture 10's:
   probabilities divided by their sum (GShard, Mixtral).
 - **Capacity.** An expert takes at most C = ceil(capacity_factor x T x k / E) of the T tokens'
   choices (``capacity``; ``capacity_factor=None``: C = T, nothing is ever dropped).
-- **Priority.** Every token's first choice comes before any token's second choice; within one
-  choice, the earlier token first. An expert keeps its first C choices in that order and drops
-  the rest. A dropped choice adds nothing to its token (the other gates are not renormalised).
+- **Priority.** Who is kept when an expert is over capacity -- deterministic, by position: the
+  earlier token (row of ``logits``) comes first, and a token's choices in order:
+
+      priority order:  (token 0, choice 0), (token 0, choice 1), (token 1, choice 0), ...
+
+  Why by position and not GShard's "every first choice before any second choice": in a decoder a
+  later token must not change an earlier one's output. By position, whether token t is kept
+  depends on tokens 0..t only, so the layer stays causal whatever the capacity (GShard's order
+  would let a later token's first choice push out an earlier token's second). An expert keeps
+  its first C choices in that order and drops the rest. A dropped choice adds nothing to its
+  token (the other gates are not renormalised).
 - **What you may use.** ``comm.send``, ``recv``, ``isend``, ``irecv`` on the communicator you are
   given, ``torch.autograd.Function``, plain torch. Not the library's collectives
   (``minidist.collectives``, ``md.all_to_all``), its experts (``minidist.parallel.experts``), nor
@@ -132,7 +140,8 @@ def route(
 
     Cost: O(T k E) work and memory; no Python loop over tokens.
 
-    Read: GShard section 2.2 (expert capacity, the order of the choices), Switch section 2.2.
+    Read: Switch section 2.2 and GShard section 2.2 (expert capacity; GShard's order of the
+    choices is not ours, the module docstring says why).
     """
     # Questions before you write: how does a running count over the choices, taken in priority
     # order, give each choice its place in its expert's queue? Which order is "priority order"
@@ -143,10 +152,10 @@ def route(
     top, experts = probs.topk(top_k, dim=-1)
     gates = top / top.sum(dim=-1, keepdim=True) if top_k > 1 else top
     limit = capacity(tokens, top_k, num_experts, capacity_factor)
-    chosen = nn.functional.one_hot(experts.t().reshape(-1), num_experts)  # (k T, E), priority order
+    chosen = nn.functional.one_hot(experts.reshape(-1), num_experts)  # (T k, E), priority order
     queue = (chosen.cumsum(0) * chosen).sum(1) - 1
-    slots = torch.where(queue < limit, queue, -1).view(top_k, tokens).t()
-    return experts, gates, slots.contiguous()
+    slots = torch.where(queue < limit, queue, -1).view(tokens, top_k)
+    return experts, gates, slots
     ### END SOLUTION
 
 

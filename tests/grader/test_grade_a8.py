@@ -1,8 +1,8 @@
 """Assignment 8's trusted side, without launching anything: the reference router against the
-solution's and against a hand-worked priority example, the reference mixture against the
-solution's one-process layer, the measured levels of the fixed layer (the three layouts' formulas),
-the seeded layers that must drop do, and the intake's refusals. The examples through the
-pipeline: ``tests/grader/batches/test_a8.py``.
+solution's, against a hand-worked priority example and against the library's router (one rule for
+both), the reference mixture against the solution's one-process layer, the measured levels of the
+fixed layer (the three layouts' formulas), the seeded layers that must drop do, and the intake's
+refusals. The examples through the pipeline: ``tests/grader/batches/test_a8.py``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from grader import forbidden
 from grader.a8_experts import cases, reference, workers
 from grader.a8_experts.grading import ASSIGNMENT
+from minidist.parallel.experts import route as library_route
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,13 +30,29 @@ def solution_module():
     return module
 
 
-def test_the_reference_router_keeps_first_choices_first():
-    # C = ceil(0.5 * 3 * 2 / 3) = 1: token 2's first choice finds expert 0 taken by token 0's
+def test_the_reference_router_keeps_the_earlier_token_first():
+    # C = ceil(0.5 * 3 * 2 / 3) = 1: token 0's second choice (expert 1) keeps its place against
+    # token 1's first choice; token 2's first choice finds expert 0 taken by token 0's
     logits = torch.tensor([[3.0, 2.0, 0.0], [2.0, 3.0, 0.0], [3.0, 0.0, 2.0]], dtype=torch.float64)
     chosen, gates, slots = reference.route(logits, 2, 0.5)
     assert chosen.tolist() == [[0, 1], [1, 0], [0, 2]]
-    assert slots.tolist() == [[0, -1], [0, -1], [-1, 0]]
+    assert slots.tolist() == [[0, 0], [-1, -1], [-1, 0]]
     assert torch.allclose(gates.sum(1), torch.ones(3, dtype=torch.float64))
+
+
+def test_the_reference_router_keeps_and_drops_what_the_librarys_does():
+    # the lecture's library and the assignment's grader state one priority rule; two independent
+    # implementations of it must agree on which choices survive an over-full expert
+    for top_k, factor in ((1, 0.5), (2, 0.75), (3, 0.5), (2, 1.0)):
+        for seed in range(3):
+            g = torch.Generator().manual_seed(100 * top_k + seed)
+            logits = torch.randn(16, 6, generator=g, dtype=torch.float64) * 3
+            chosen, gates, slots = reference.route(logits, top_k, factor)
+            library = library_route(logits, top_k, factor)
+            assert torch.equal(chosen, library.experts)
+            assert (slots < 0).any(), (top_k, factor, seed)  # over capacity: the rule decides
+            assert torch.equal(slots >= 0, library.kept), (top_k, factor, seed)
+            assert torch.allclose(gates, library.gates, atol=1e-12)
 
 
 def test_the_reference_router_and_mixture_are_the_solutions():

@@ -125,10 +125,9 @@ def library_copy(solution: str) -> str:
         )
     helper = (
         "def assignments(chosen, slots):\n"
-        "    t, k = chosen.shape\n"
-        "    slot_major = (slots >= 0).t().reshape(-1)\n"
-        "    index = torch.nonzero(slot_major).squeeze(1)\n"
-        "    slot, token = index // t, index % t\n"
+        "    k = chosen.shape[1]\n"
+        "    index = torch.nonzero((slots >= 0).reshape(-1)).squeeze(1)  # token, then choice\n"
+        "    token, slot = index // k, index % k\n"
         "    expert = chosen[token, slot]\n"
         "    order = torch.sort(expert, stable=True).indices\n"
         "    return token[order], slot[order], expert[order]\n\n\n"
