@@ -91,6 +91,7 @@ def launch(
     device: str = "cpu",
     threads_per_worker: int | None = None,
     forward_output: bool = True,
+    elastic=None,
 ) -> list:
     """Run ``fn(comm, *args, **kwargs)`` on ``world_size`` ranks; return their results.
 
@@ -108,6 +109,9 @@ def launch(
             NCCL under the torch transport needs one GPU per rank).
         threads_per_worker: torch intra-op threads per rank (default: cores / ranks).
         forward_output: show workers' stdout/stderr here, prefixed with the rank.
+        elastic: None (default: a dead rank fails the launch), or
+            ``minidist.parallel.elastic.Policy(min_size, max_restarts)``: a rank may die, the
+            others go on and a replacement may join (see that package; transport="pipe").
 
     Tensors in ``args`` are shared, not copied, with the forkserver and spawn start
     methods (torch moves them into shared memory): a worker that writes into one
@@ -132,11 +136,17 @@ def launch(
         raise TypeError(f"args must be a tuple of extra arguments, got {type(args).__name__}")
     torchrun = transports.torch_dist.torchrun_environment()
     if torchrun is not None and _ENV_WORKER not in os.environ:
+        if elastic is not None:
+            raise ValueError("under torchrun, elasticity is torchrun's: --nnodes=MIN:MAX --max-restarts=N")
         return launch_under_torchrun(
             fn, world_size, tuple(args), kwargs, transport, timeout, device, torchrun
         )
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if elastic is not None:  # duck-typed: this layer does not import minidist.parallel
+        options = dict(transport=transport, start_method=start_method, timeout=timeout, device=device)
+        options.update(threads_per_worker=threads_per_worker, forward_output=forward_output)
+        return elastic._launch(fn, world_size, tuple(args), kwargs, **options)
     _check_function(fn, start_method)
     _check_device(device, world_size, start_method, transport)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -1,0 +1,99 @@
+"""Fault-tolerant, elastic data parallelism: a quorum per step, live recovery from a healthy peer.
+
+::
+
+    from minidist.parallel import elastic
+
+    def worker(comm, steps):
+        torch.manual_seed(0)                              # every rank builds the same model
+        model, opt = make_model(), torch.optim.Adam(...)
+        ft = elastic.FaultTolerant(comm, model, opt, total_steps=steps)
+        while ft.step < steps:
+            ft.train_step(lambda step: loss_fn(model, batch(comm.rank, step)))
+        return ft.history                                 # who contributed to each step
+
+    md.launch(worker, world_size=4, args=(100,), transport="pipe",
+              elastic=elastic.Policy(min_size=2, max_restarts=2))
+
+Plain data parallelism stops when one rank dies: the others wait in an allreduce that never
+completes (or the launcher kills them all). Here a rank may die at any point, and training goes
+on among the survivors; with ``max_restarts`` a replacement process joins and is brought up to
+date by a healthy peer -- no checkpoint is read. The same idea as PyTorch's torchft (a
+"lighthouse" that forms a quorum per step), written on the library's pipes.
+
+The pieces:
+
+- a **coordinator** (``coordinator.py``) in the launcher process: each step every live rank asks
+  it for the quorum (the members and the step number); it answers when every live rank has
+  asked, and after the gradient exchange it decides which gradients count;
+- the **fault-tolerant step** (``step.py``): every member sends its gradient to every other
+  member, receives theirs (a dead peer's pipe reports end-of-file: no timeout), reports what it
+  received, and applies the average over the *contributors* the coordinator commits --
+  summed in slot order, so the result is bit-for-bit a one-process replay of the same history;
+- the **launcher** (``launcher.py``, behind ``md.launch(..., elastic=Policy(...))``): starts the
+  ranks, runs the coordinator in its wait loop, and starts a replacement when a rank dies.
+
+A timeline (4 ranks, slot 1 is SIGKILLed in the middle of step 2's exchange)::
+
+    step 2  quorum {0,1,2,3}  ->  each sends its gradient to the others
+            slot 1 sent to slot 0, then died     slots 2, 3: recv from 1 -> EOF (PeerError)
+            reports: 0 got {0,1,2,3}, 2 got {0,2,3}, 3 got {0,2,3}
+            commit: contributors = {0,2,3} (what *every* survivor holds): all apply
+                    (g0 + g2 + g3) / 3 -- slot 0 drops the g1 it had
+            launcher: slot 1's process ended -> start slot 1, incarnation 1 (a replacement)
+    step 3  quorum {0,1,2,3}, joiner 1, donor 0 (the lowest healthy slot): a recovery round
+            the coordinator hands each pair (1, k) a fresh pair of pipes (passed as file
+            descriptors over the control socket); slot 0 sends the model, the optimizer state,
+            the step and the history to slot 1; commit: slot 1 recovered
+    step 3  quorum {0,1,2,3}: a training round at N = 4 again
+
+Detection needs no timeout: a killed process's pipes are closed by the kernel, so a survivor's
+read of it ends with end-of-file at once and a write with a broken pipe; the coordinator sees
+the process end (its sentinel). A death is thus detected within the step in which it happens.
+A rank that dies *after* its gradient reached every survivor still counts as a contributor.
+Cost per training step: each member sends its gradient to k - 1 peers, (k - 1) x the gradient's
+bytes (an all-gather, not a ring allreduce: k / 2 times the bytes of a ring, the price of a
+fixed summation order that a replay reproduces); 2 small control messages per rank per step.
+
+Only the pipe transport: shared memory has no end-of-file (a dead peer looks like a slow one);
+the torch transport would need a new process group per quorum (torchft's way).
+``from minidist.parallel import elastic`` loads this package; md.launch never imports it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .coordinator import ElasticError
+from .step import FaultTolerant, average_in_order, identity
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What ``md.launch(..., elastic=Policy(...))`` tolerates.
+
+    Args:
+        min_size: the fewest ranks a quorum may have; below it the launch fails (ElasticError).
+        max_restarts: how many replacement processes may be started in all (0: none; the
+            survivors go on at N - 1, N - 2, ... down to ``min_size``).
+    """
+
+    min_size: int = 1
+    max_restarts: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("min_size", "max_restarts"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (name == "min_size"):
+                raise ValueError(
+                    f"Policy({name}=...) must be an int >= {int(name == 'min_size')}, got {value!r}"
+                )
+
+    def _launch(self, fn, world_size: int, args: tuple, kwargs: dict, **options) -> list:
+        """Called by ``md.launch`` (which does not import this package): see ``launcher.py``."""
+        from .launcher import launch_elastic
+
+        return launch_elastic(self, fn, world_size, args, kwargs, **options)
+
+
+__all__ = ["ElasticError", "FaultTolerant", "Policy", "average_in_order", "identity"]

@@ -1,0 +1,79 @@
+"""Workers for test_elastic.py: a tiny float64 regression trained by FaultTolerant, with kills."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+
+from minidist.parallel import elastic
+
+
+class HandAdam:
+    """Adam in a few lines. Not torch.optim.Adam: the first torch optimizer built in a process
+    imports torch._dynamo (about 2 s on a loaded 2-core machine), in every rank and replacement."""
+
+    def __init__(self, params, lr: float = 0.05, betas=(0.9, 0.999), eps: float = 1e-8) -> None:
+        self.params, self.lr, self.betas, self.eps = list(params), lr, betas, eps
+        self.t = 0
+        self.m = [torch.zeros_like(p) for p in self.params]
+        self.v = [torch.zeros_like(p) for p in self.params]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.t += 1
+        b1, b2 = self.betas
+        for p, m, v in zip(self.params, self.m, self.v):
+            m.mul_(b1).add_(p.grad, alpha=1 - b1)
+            v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+            p -= self.lr * (m / (1 - b1**self.t)) / ((v / (1 - b2**self.t)).sqrt() + self.eps)
+
+    def state_dict(self) -> dict:
+        return {"t": self.t, "m": [m.clone() for m in self.m], "v": [v.clone() for v in self.v]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.t = state["t"]
+        for mine, theirs in zip(self.m + self.v, state["m"] + state["v"]):
+            mine.copy_(theirs)
+
+
+def make_model() -> tuple[torch.nn.Module, HandAdam]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8, dtype=torch.float64),
+        torch.nn.Tanh(),
+        torch.nn.Linear(8, 2, dtype=torch.float64),
+    )
+    return model, HandAdam(model.parameters())
+
+
+def loss_of(model: torch.nn.Module, slot: int, step: int) -> torch.Tensor:
+    """Slot ``slot``'s loss at ``step``: its own batch, the same in the run and in the replay."""
+    g = torch.Generator().manual_seed(1000 * step + slot)
+    x = torch.randn(6, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(6, 2, generator=g, dtype=torch.float64)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def elastic_worker(comm, total_steps: int, kills: dict, pid_dir: str):
+    """Train; SIGKILL ourselves where ``kills[(slot, incarnation)] == (point, step)``."""
+    slot, incarnation = elastic.identity()
+    with open(os.path.join(pid_dir, f"{slot}.{incarnation}.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    model, optimizer = make_model()
+
+    def on_point(point: str, step: int) -> None:
+        if kills.get((slot, incarnation)) == (point, step):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    ft = elastic.FaultTolerant(comm, model, optimizer, total_steps, on_point=on_point)
+    while ft.step < total_steps:
+        ft.train_step(lambda step: loss_of(model, slot, step))
+    return {
+        "incarnation": incarnation,
+        "history": ft.history,
+        "params": [p.detach().clone() for p in model.parameters()],
+        "optimizer": optimizer.state_dict(),
+        "recoveries": ft.recoveries,
+    }
