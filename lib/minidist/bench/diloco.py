@@ -1,0 +1,242 @@
+"""``python -m minidist.bench diloco``: DiLoCo against DDP at equal tokens, and over slow links.
+
+One launch of ``workers`` ranks (shm) trains the course decoder (``models.decoder``, "tiny" by
+default) on the course text (``data.lm_dataset``: blocks of the Wikipedia corpus cut to ``seq``
+tokens, the same batches for every variant: worker r's batch of step t is fixed by the seed),
+once per variant, from the same initial weights, for the same number of steps:
+
+* **DDP**: the library's ``DistributedDataParallel`` (one ring allreduce of the gradients per
+  step), AdamW on the averaged gradient -- global batch ``workers x batch`` sequences;
+* **DiLoCo H** for each H in ``hs``: ``parallel.local_sgd.DiLoCo`` with the same AdamW on each
+  worker's own ``batch`` sequences, outer Nesterov lr 0.7, momentum 0.9 (the paper's values;
+  its H is 500, on runs of 88,000 steps -- ours are a few hundred steps, so H is scaled down).
+
+Equal tokens: every variant sees ``steps x workers x batch x seq`` training tokens. Rank 0
+measures the held-out loss (the "eval" split) every ``eval_every`` steps on the parameters a
+variant *has* at that point: DDP's, and DiLoCo's global parameters (the last outer step's).
+
+Time, on the emulated clock (``minidist.clock``, ``transport.emulated``): a step's compute is
+``6 N T`` FLOPs on a stated GPU (N parameters, T tokens a worker, ``gpu_tflops`` x ``mfu``), a
+sync is one ring allreduce of the model's fp32 parameters **measured** over
+``EmulatedLinkComm`` at each link speed (beside ``cost_model.predict``). DDP pays a sync every
+step, DiLoCo every H steps (no overlap assumed in either: DDP could hide at most its compute,
+which is far shorter here)::
+
+    time to target = (steps until the held-out loss <= target) x compute_s + (syncs by then) x sync_s
+
+The target is the loss DDP reaches at half the run. Bytes are counted (``comm.stats``, training
+only) and printed beside the ring formula. Only ratios from one run are claimed.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..collectives import allreduce, cost_model
+from ..comm import Communicator
+from ..transport.emulated import ETHERNET_10G, EmulatedLinkComm
+from ._util import human_bytes, out_dir, print_table, save_json
+
+GBIT = 1.25e8  # bytes per second of 1 Gbit/s
+
+
+@dataclass(frozen=True)
+class DilocoBench:
+    model: str = "tiny"  # models.decoder.CONFIGS
+    workers: int = 2
+    batch: int = 4  # sequences per worker per step
+    seq: int = 32
+    steps: int = 300
+    hs: tuple[int, ...] = (1, 10, 50, 100)
+    inner_lr: float = 1e-3
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    eval_every: int = 25
+    eval_blocks: int = 32
+    links_gbit: tuple[float, ...] = (1.0, 0.1)
+    gpu_tflops: float = 125.0  # V100 tensor cores
+    mfu: float = 0.4
+    repeats: int = 3  # emulated syncs measured per link (median)
+    seed: int = 0
+
+
+def _data(cfg: DilocoBench, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Training ids (steps, p, batch, seq) drawn with a fixed seed, and held-out ids."""
+    from ..data import lm_dataset, load_tokenizer
+
+    tok = load_tokenizer()
+    train = lm_dataset(tok, seq_len=128, split="train")[:, : cfg.seq]
+    held_out = lm_dataset(tok, seq_len=128, split="eval")[: cfg.eval_blocks, : cfg.seq]
+    gen = torch.Generator().manual_seed(cfg.seed)
+    rows = torch.randint(len(train), (cfg.steps * p * cfg.batch,), generator=gen)
+    return train[rows].view(cfg.steps, p, cfg.batch, cfg.seq), held_out
+
+
+def _make_model(cfg: DilocoBench):
+    from ..models.decoder import CONFIGS, DecoderLM
+
+    torch.manual_seed(cfg.seed)
+    return DecoderLM(CONFIGS[cfg.model])
+
+
+def _loss(model, ids: torch.Tensor) -> torch.Tensor:
+    return model(ids, labels=ids).loss
+
+
+@torch.no_grad()
+def _held_out(model, ids: torch.Tensor) -> float:
+    return float(_loss(model, ids))
+
+
+def _train(comm: Communicator, cfg: DilocoBench, h: int | None, train, held_out) -> dict:
+    """One variant (h None: DDP); its held-out curve (rank 0) and the bytes it sent training."""
+    from ..parallel import DistributedDataParallel, local_sgd
+    from ..parallel.buckets import allreduce_average
+
+    model = _make_model(cfg)
+    if h is None:
+        hook = functools.partial(allreduce_average, algorithm="ring")
+        trained = DistributedDataParallel(model, comm, bucket_mb=math.inf, overlap=False, comm_hook=hook)
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr)
+        evaluated = model
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr)
+        trained = local_sgd.DiLoCo(model, comm, opt, h, cfg.outer_lr, cfg.outer_momentum)
+        evaluated = _make_model(cfg)  # holds the global parameters for evaluation
+    curve, sent = [], 0
+    for step in range(cfg.steps + 1):
+        if step % cfg.eval_every == 0 and comm.rank == 0:
+            if h is not None:
+                torch.nn.utils.vector_to_parameters(trained.global_params, evaluated.parameters())
+            curve.append((step, _held_out(evaluated, held_out)))
+        if step == cfg.steps:
+            break
+        ids = train[step, comm.rank]
+        before = comm.stats.bytes_sent
+        if h is None:
+            opt.zero_grad(set_to_none=True)
+            _loss(trained, ids).backward()
+            opt.step()
+        else:
+            trained.step(_loss, ids)
+        sent += comm.stats.bytes_sent - before
+    return {"curve": curve, "bytes_sent": sent, "syncs": cfg.steps if h is None else cfg.steps // h}
+
+
+def _sync_seconds(comm: Communicator, numel: int, gbit: float, repeats: int) -> float:
+    """Median seconds of one ring allreduce of ``numel`` fp32 over an emulated link of ``gbit``."""
+    link = EmulatedLinkComm(comm, ETHERNET_10G.alpha_s, gbit * GBIT)
+    buf = torch.zeros(numel)
+    times = []
+    for _ in range(repeats):
+        link.barrier()
+        start = time.perf_counter()
+        allreduce(link, buf, algorithm="ring")
+        times.append(time.perf_counter() - start)
+    link.close()
+    return statistics.median(times)
+
+
+def bench_worker(comm: Communicator, cfg: DilocoBench) -> dict:
+    torch.set_num_threads(1)
+    train, held_out = _data(cfg, comm.world_size)
+    runs = {"DDP": _train(comm, cfg, None, train, held_out)}
+    for h in cfg.hs:
+        runs[f"DiLoCo H={h}"] = _train(comm, cfg, h, train, held_out)
+    numel = sum(p.numel() for p in _make_model(cfg).parameters())
+    sync_s = {g: _sync_seconds(comm, numel, g, cfg.repeats) for g in cfg.links_gbit}
+    return {"runs": runs, "numel": numel, "sync_s": sync_s}
+
+
+def summarise(cfg: DilocoBench, outs: list[dict]) -> dict:
+    """Rows per variant: held-out loss, bytes (counted, formula), time to target per link."""
+    p, numel = len(outs), outs[0]["numel"]
+    tokens = cfg.steps * p * cfg.batch * cfg.seq
+    compute_s = 6 * numel * cfg.batch * cfg.seq / (cfg.gpu_tflops * 1e12 * cfg.mfu)
+    ring = cost_model.bytes_sent("ring", p, 0, numel, 4)
+    sync_s = {g: max(o["sync_s"][g] for o in outs) for g in cfg.links_gbit}  # the slowest rank
+    model = {g: cost_model.AlphaBeta(ETHERNET_10G.alpha_s, 1 / (g * GBIT), gamma=0.0) for g in cfg.links_gbit}
+    predicted = {g: cost_model.predict("ring", p, 4 * numel, model[g]) for g in cfg.links_gbit}
+    ddp_curve = outs[0]["runs"]["DDP"]["curve"]
+    target = next(loss for step, loss in ddp_curve if step >= cfg.steps // 2)
+    rows = []
+    for label, run in outs[0]["runs"].items():
+        h = 1 if label == "DDP" else int(label.split("=")[1])
+        every = 1 if label == "DDP" else h
+        reached = next((step for step, loss in run["curve"] if loss <= target), None)
+        formula = [run["syncs"] * cost_model.bytes_sent("ring", p, r, numel, 4) for r in range(p)]
+        row = dict(label=label, h=h, final_loss=run["curve"][-1][1], syncs=run["syncs"],
+                   bytes_sent=[o["runs"][label]["bytes_sent"] for o in outs], formula_bytes=formula,
+                   bytes_per_token=run["syncs"] * ring / tokens, steps_to_target=reached,
+                   curve=run["curve"])  # fmt: skip
+        for g in cfg.links_gbit:
+            row[f"time_s_{g:g}G"] = (
+                math.nan if reached is None else reached * compute_s + (reached // every) * sync_s[g]
+            )
+        rows.append(row)
+    return dict(config=asdict(cfg), workers=p, numel=numel, tokens=tokens, compute_s=compute_s, target=target,
+                sync_s=sync_s, predicted_sync_s=predicted, rows=rows)  # fmt: skip
+
+
+def print_tables(result: dict) -> None:
+    rows, links = result["rows"], result["config"]["links_gbit"]
+    ddp = rows[0]
+    print_table(
+        ["variant", "held-out loss", "vs DDP", "syncs", "bytes/token", "counted = formula", "steps to target"]
+        + [f"time {g:g} Gbit/s" for g in links] + [f"DDP / this {g:g}G" for g in links],
+        [[r["label"], r["final_loss"], f"{100 * (r['final_loss'] / ddp['final_loss'] - 1):+.1f}%", r["syncs"],
+          human_bytes(int(r["bytes_per_token"])), str(r["bytes_sent"] == r["formula_bytes"]),
+          r["steps_to_target"] if r["steps_to_target"] is not None else "not reached"]
+         + [r[f"time_s_{g:g}G"] for g in links] + [ddp[f"time_s_{g:g}G"] / r[f"time_s_{g:g}G"] for g in links]
+         for r in rows],
+        title=f"{result['workers']} workers, {result['numel']:,} parameters, "
+        f"{result['tokens']:,} tokens each; "
+        f"target = DDP's held-out loss at half the run ({result['target']:.3f}); compute "
+        f"{result['compute_s'] * 1e6:.1f} us a step",
+    )  # fmt: skip
+    print_table(
+        ["link", "sync measured (s)", "predicted (s)", "measured / predicted"],
+        [[f"{g:g} Gbit/s", result["sync_s"][g], result["predicted_sync_s"][g],
+          result["sync_s"][g] / result["predicted_sync_s"][g]] for g in links],
+        title="one ring allreduce of the model over the emulated link (slowest rank, median)",
+    )  # fmt: skip
+
+
+def run(cfg: DilocoBench = DilocoBench(), out: str | None = None) -> dict:  # noqa: B008 (frozen)
+    import minidist as md
+
+    timeout = 120 + cfg.steps * (1 + len(cfg.hs)) + 30 * cfg.repeats * len(cfg.links_gbit)
+    outs = md.launch(bench_worker, cfg.workers, args=(cfg,), transport="shm", threads_per_worker=1,
+                     timeout=timeout)  # fmt: skip
+    result = summarise(cfg, outs)
+    print_tables(result)
+    save_json(out_dir(out), "diloco", result)
+    return result
+
+
+def add_parser(sub) -> None:
+    d = DilocoBench()
+    parser = sub.add_parser("diloco", help="DiLoCo vs DDP: held-out loss at equal tokens, time on slow links")
+    parser.add_argument("--model", default=d.model, help=f"decoder config (default {d.model})")
+    parser.add_argument("--workers", type=int, default=d.workers)
+    parser.add_argument("--batch", type=int, default=d.batch, help="sequences per worker per step")
+    parser.add_argument("--seq", type=int, default=d.seq)
+    parser.add_argument("--steps", type=int, default=d.steps)
+    parser.add_argument("--hs", type=int, nargs="+", default=list(d.hs), help="inner steps H per variant")
+    parser.add_argument("--eval-every", type=int, default=d.eval_every)
+    parser.add_argument("--links", type=float, nargs="+", default=list(d.links_gbit), help="Gbit/s")
+    parser.add_argument("--repeats", type=int, default=d.repeats)
+    parser.add_argument("--out", default=None, help="folder for the JSON (default bench-results/)")
+
+
+def main(args) -> None:
+    cfg = DilocoBench(model=args.model, workers=args.workers, batch=args.batch, seq=args.seq,
+                      steps=args.steps, hs=tuple(args.hs), eval_every=args.eval_every,
+                      links_gbit=tuple(args.links), repeats=args.repeats)  # fmt: skip
+    run(cfg, args.out)

@@ -1,0 +1,44 @@
+"""``python -m minidist.bench diloco`` at tiny settings: its structure and its bytes, not its losses.
+
+One launch (2 ranks, 4 steps of 1 x 8 tokens, DDP and DiLoCo H = 2, a 10 Gbit/s link); the
+full run and its table are in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from minidist.bench import diloco
+from minidist.collectives import cost_model
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_diloco_bench_counts_the_formula_bytes_and_times_syncs(tmp_path, capsys):
+    cfg = diloco.DilocoBench(steps=4, hs=(2,), eval_every=2, eval_blocks=2, seq=8, batch=1,
+                             links_gbit=(10.0,), repeats=1)  # fmt: skip
+    result = diloco.run(cfg, out=str(tmp_path))
+    p, n = result["workers"], result["numel"]
+    ddp, h2 = result["rows"]
+    assert [ddp["label"], h2["label"]] == ["DDP", "DiLoCo H=2"]
+    assert [ddp["syncs"], h2["syncs"]] == [4, 2]
+    for row in (ddp, h2):  # counted bytes = one ring allreduce of the model per sync, per rank
+        assert row["bytes_sent"] == [
+            row["syncs"] * cost_model.bytes_sent("ring", p, r, n, 4) for r in range(p)
+        ]
+        assert [step for step, _ in row["curve"]] == [0, 2, 4]
+        reached, every = row["steps_to_target"], 1 if row is ddp else 2
+        if reached is None:  # DiLoCo may miss DDP's target in 4 steps: no time then
+            assert row["time_s_10G"] != row["time_s_10G"]  # nan
+            continue
+        want = reached * result["compute_s"] + (reached // every) * result["sync_s"][10.0]
+        assert row["time_s_10G"] == pytest.approx(want)
+    assert ddp["steps_to_target"] <= 2  # DDP reaches its own loss of step 2
+    assert h2["bytes_per_token"] * 2 == pytest.approx(ddp["bytes_per_token"])  # 1/H
+    assert result["target"] == ddp["curve"][1][1]  # DDP's held-out loss at half the run
+    assert result["compute_s"] == pytest.approx(6 * n * 8 / (125e12 * 0.4))
+    saved = json.loads((tmp_path / "diloco.json").read_text())
+    assert saved["rows"][1]["bytes_sent"] == h2["bytes_sent"]
+    assert "DDP / this 10G" in capsys.readouterr().out
