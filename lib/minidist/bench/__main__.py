@@ -91,6 +91,9 @@ def main(argv=None) -> None:
     from . import layout as layout_bench  # its own arguments and main
 
     layout_bench.add_parser(sub)
+    from . import diloco as diloco_bench  # its own arguments and main
+
+    diloco_bench.add_parser(sub)
     args, rest = parser.parse_known_args(argv)
     if args.bench == "large_batch":  # its own options: python -m minidist.bench large_batch --help
         from . import large_batch as bench
@@ -111,6 +114,8 @@ def main(argv=None) -> None:
         return model_parallel_bench.main(args)
     if args.bench == "layout":
         return layout_bench.main(args)
+    if args.bench == "diloco":
+        return diloco_bench.main(args)
     if args.bench == "ddp":
         from . import ddp as bench
 
