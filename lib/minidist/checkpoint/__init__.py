@@ -1,0 +1,210 @@
+"""Checkpoints that reshard: save at N ranks, load at any M, bit-equal.
+
+    from minidist import checkpoint
+    checkpoint.save(path, {"model": sharded, "optim": opt}, comm)    # every rank calls it
+    checkpoint.load(path, {"model": other, "optim": other_opt}, comm)  # any world size
+
+What a rank holds is a part of each global tensor (``layout``: a block for tensor parallelism,
+a flat range for ZeRO, everything for a replicated tensor). ``save`` writes, per rank, one
+safetensors file with its parts, and rank 0 writes ``metadata.json`` that says where every part
+of every global tensor is. Tensors that several ranks hold (replicated weights) are written once,
+by the lowest rank that holds them: the ranks first exchange the list of their parts (one
+allgather of a few hundred bytes per rank), so each rank knows which parts are its to write.
+
+metadata.json, for a 2-rank save of a ZeRO-3 model with a 3 x 3 weight and a 3-element bias in
+one unit (12 elements, 6 per rank, no padding)::
+
+    {"format": "minidist-checkpoint-1", "world_size": 2,
+     "tensors": {
+       "model.linear.weight": {"shape": [3, 3], "dtype": "float32", "pieces": [
+           {"file": "rank00000.safetensors", "key": "model.linear.weight", "flat": [0, 6]},
+           {"file": "rank00001.safetensors", "key": "model.linear.weight", "flat": [6, 9]}]},
+       "model.linear.bias": {"shape": [3], "dtype": "float32", "pieces": [
+           {"file": "rank00001.safetensors", "key": "model.linear.bias", "flat": [0, 3]}]}},
+     "flat_groups": {"model.unit0:Linear": {"numel": 12, "padded_numel": 12, "padding": 0}},
+     "optimizers": {}}
+
+A tensor-parallel piece has ``"offsets": [r * rows, 0], "sizes": [rows, cols]`` instead of
+``"flat"``. Padding (ZeRO pads each flat unit to a multiple of the world size) is never saved;
+on load, the new shard's padding is zeroed. ``load`` asks each file for exactly the slices the
+rank needs (``reshard``: the picture of which byte ranges rank r reads).
+
+Cost. Save: each rank writes its own bytes (psi / N for sharded state), one allgather of the
+part lists, two barriers. Load: each rank reads what it will hold, nothing else (replicated
+tensors: every rank reads all of them), no communication.
+
+``save(..., async_save=True)`` copies the parts (a snapshot: training may change the parameters
+right after) and writes them on a background thread while training continues;
+``handle.wait()`` finishes the save (it is collective: after a barrier rank 0 writes
+metadata.json, so a directory without metadata.json is a save that did not finish).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+import torch
+from safetensors.torch import save_file
+
+from ..collectives import allgather
+from ..comm import Communicator
+from .layout import Box, Flat, Layout, layout
+from .reshard import Reader
+
+__all__ = ["METADATA", "Box", "Flat", "SaveHandle", "load", "save"]
+
+METADATA = "metadata.json"
+FORMAT = "minidist-checkpoint-1"
+
+
+def _allgather_json(comm: Communicator, obj) -> list:
+    """Every rank's ``obj`` (JSON-able), through two allgathers: the lengths, then the padded bytes."""
+    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8)
+    lengths = allgather(comm, torch.tensor([data.numel()], dtype=torch.int64)).view(-1).tolist()
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    padded[: data.numel()] = data
+    rows = allgather(comm, padded)
+    return [json.loads(bytes(rows[r, :n].tolist()).decode()) for r, n in enumerate(lengths)]
+
+
+def _file(rank: int) -> str:
+    return f"rank{rank:05d}.safetensors"
+
+
+def _metadata(parts: list[list], lay: Layout, world: int) -> tuple[dict, list[set]]:
+    """metadata.json from every rank's parts; and, per rank, the names it writes (the first holder)."""
+    tensors, writes, seen = {}, [set() for _ in parts], set()
+    for rank, rank_parts in enumerate(parts):
+        for name, shape, dtype, region in rank_parts:
+            entry = tensors.setdefault(name, {"shape": shape, "dtype": dtype, "pieces": []})
+            if entry["shape"] != shape or entry["dtype"] != dtype:
+                raise ValueError(
+                    f"checkpoint.save: tensor {name!r} is {dtype} {tuple(shape)} on rank {rank} but "
+                    f"{entry['dtype']} {tuple(entry['shape'])} on a lower rank: every rank must save "
+                    "the same model"
+                )
+            key = (name, json.dumps(region))
+            if key not in seen:
+                seen.add(key)
+                writes[rank].add(name)
+                entry["pieces"].append({"file": _file(rank), "key": name, **region})
+    meta = {"format": FORMAT, "world_size": world, "tensors": tensors}
+    return meta | {"flat_groups": lay.groups, "optimizers": lay.optimizers}, writes
+
+
+class SaveHandle:
+    """What ``save`` returns: ``wait()`` (collective) finishes the save; ``bytes_written`` by this rank."""
+
+    def __init__(self, path: str, comm: Communicator, meta: dict, snapshot: dict, background: bool) -> None:
+        self.path, self.comm, self.meta, self.snapshot = path, comm, meta, snapshot
+        self.bytes_written = sum(t.numel() * t.element_size() for t in snapshot.values())
+        self.error: BaseException | None = None
+        self.done = False
+        self.thread = threading.Thread(target=self._write, daemon=True) if background else None
+        if self.thread:
+            self.thread.start()
+        else:
+            self._write()
+
+    def _write(self) -> None:
+        try:
+            if self.snapshot:
+                save_file(self.snapshot, os.path.join(self.path, _file(self.comm.rank)))
+        except BaseException as error:  # raised again by wait(), on the caller's thread
+            self.error = error
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        if self.thread:
+            self.thread.join()
+        if self.error is not None:
+            raise RuntimeError(
+                f"checkpoint.save: rank {self.comm.rank} could not write its file"
+            ) from self.error
+        self.comm.barrier()  # every rank's file is complete
+        if self.comm.rank == 0:
+            tmp = os.path.join(self.path, METADATA + ".tmp")
+            with open(tmp, "w") as f:
+                json.dump(self.meta, f, indent=1)
+            os.replace(tmp, os.path.join(self.path, METADATA))  # atomic: the save exists now
+        self.comm.barrier()  # nobody returns (and loads) before metadata.json exists
+        self.snapshot, self.done = {}, True
+
+
+def save(path: str, obj, comm: Communicator, *, async_save: bool = False) -> SaveHandle:
+    """Save what this rank holds of ``obj`` into the directory ``path`` (every rank calls it).
+
+    ``obj``: an ``nn.Module`` (plain, tensor-parallel or ``FullyShardedModule``), a
+    ``ZeroOptimizer``, a tensor, or a dict of those (names get the key as prefix).
+    Returns a ``SaveHandle``; with ``async_save=False`` it is finished already, with
+    ``async_save=True`` the caller must ``wait()`` on it (every rank) before the next save.
+    """
+    os.makedirs(path, exist_ok=True)
+    if comm.rank == 0 and os.path.exists(os.path.join(path, METADATA)):
+        os.remove(os.path.join(path, METADATA))  # the old save is invalid from here on
+    lay = layout(obj)
+    mine = [[s.name, list(s.shape), _dtype(s.dtype), s.region.to_json()] for s in lay.slots]
+    meta, writes = _metadata(_allgather_json(comm, mine), lay, comm.world_size)
+    snapshot = {
+        s.name: s.tensor.detach().to("cpu", copy=True).contiguous()
+        for s in lay.slots
+        if s.name in writes[comm.rank]
+    }
+    handle = SaveHandle(path, comm, meta, snapshot, background=async_save)
+    if not async_save:
+        handle.wait()
+    return handle
+
+
+def _dtype(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def load(path: str, obj, comm: Communicator, *, strict: bool = True) -> int:
+    """Fill ``obj`` (the same kinds as ``save``, at any world size) from the checkpoint in ``path``.
+
+    Every tensor of ``obj`` must be in the checkpoint with the same global shape and dtype (a
+    ValueError names the tensor and both shapes); tensors of the checkpoint that ``obj`` does
+    not have are ignored unless ``strict``. Sends nothing: each rank reads only what it holds.
+    Returns the bytes this rank read.
+    """
+    meta_path = os.path.join(path, METADATA)
+    if not os.path.exists(meta_path):
+        raise FileNotFoundError(
+            f"checkpoint.load: no {METADATA} in {path}: not a checkpoint, or its save did not finish "
+            "(metadata.json is written last, after every rank's file)"
+        )
+    with open(meta_path) as f:
+        meta = json.load(f)
+    lay = layout(obj, meta.get("optimizers", {}))
+    saved = meta["tensors"]
+    problems = []
+    for s in lay.slots:
+        entry = saved.get(s.name)
+        if entry is None:
+            problems.append(f"tensor {s.name!r} is not in the checkpoint")
+        elif tuple(entry["shape"]) != s.shape or entry["dtype"] != _dtype(s.dtype):
+            problems.append(
+                f"tensor {s.name!r} was saved as {entry['dtype']} of shape {tuple(entry['shape'])}, "
+                f"the model expects {_dtype(s.dtype)} of shape {s.shape}"
+            )
+    if strict:
+        problems += [
+            f"the checkpoint's tensor {n!r} has no place in the model" for n in saved if n not in lay.names
+        ]
+    if problems:
+        listed = "\n  ".join(problems[:10]) + ("\n  ..." if len(problems) > 10 else "")
+        raise ValueError(
+            f"checkpoint.load({path!r}): the model does not match the saved one (world size "
+            f"{meta['world_size']}):\n  {listed}\nbuild the model with the configuration it was saved with"
+        )
+    reader = Reader(path, meta)
+    with torch.no_grad():
+        for s in lay.slots:
+            reader.fill(s.name, s.region, s.tensor)
+        for pad in lay.pads:
+            pad.zero_()
+    return reader.bytes_read

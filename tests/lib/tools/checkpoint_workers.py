@@ -1,0 +1,215 @@
+"""Workers for test_checkpoint.py: one save launch at 4 ranks, one load launch per world size.
+
+The saved state: a small two-layer model under ZeRO-3 (units of 35 and 18 elements: padded at
+2, 3 and 4 ranks), the same model under ZeRO-2 with its AdamW moments, and a tensor-parallel
+decoder (heads, vocabulary and ffn divisible by 2, 3 and 4) built from a dense one.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minidist import checkpoint
+from minidist.checkpoint.layout import layout
+from minidist.collectives import allgather
+from minidist.models.decoder import DecoderLM
+from minidist.models.tp_decoder import TensorParallelDecoderLM
+from minidist.models.transformer import TransformerConfig
+from minidist.parallel.zero import FullyShardedModule, ZeroOptimizer
+
+CFG = TransformerConfig(
+    vocab_size=24, hidden_size=24, n_layers=1, n_heads=12, max_positions=8, causal=True, pre_ln=True
+)
+
+
+class Small(nn.Module):
+    """35 + 18 parameters and a buffer: ZeRO pads each unit (and the 53-element whole) at 2, 3, 4 ranks."""
+
+    def __init__(self, hidden: int = 5) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(6, hidden), nn.Linear(hidden, 3)
+        self.register_buffer("scale", torch.tensor([2.0, 3.0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x))) * self.scale[0]
+
+
+def small(seed: int, hidden: int = 5) -> Small:
+    torch.manual_seed(seed)
+    return Small(hidden)
+
+
+def dense(seed: int = 0) -> DecoderLM:
+    torch.manual_seed(seed)
+    return DecoderLM(CFG)
+
+
+class PlainAdamW:
+    """torch.optim.AdamW's update written out, with the state it keeps (step, exp_avg, exp_avg_sq).
+
+    Why not torch's: constructing any torch.optim optimizer imports torch._dynamo (about 800
+    modules, 2 CPU-seconds) in every worker process; this keeps the test's launches cheap."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01) -> None:
+        group = {"params": list(params), "lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay}
+        self.param_groups, self.state = [group], {}
+
+    @torch.no_grad()
+    def step(self) -> None:
+        group = self.param_groups[0]
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            zeros = torch.zeros_like(p)
+            s = self.state.setdefault(
+                p, {"step": torch.tensor(0.0), "exp_avg": zeros, "exp_avg_sq": zeros.clone()}
+            )
+            s["step"] += 1
+            t = float(s["step"])
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            s["exp_avg"].lerp_(p.grad, 1 - beta1)
+            s["exp_avg_sq"].mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+            denom = (s["exp_avg_sq"] / (1 - beta2**t)).sqrt_().add_(group["eps"])
+            p.addcdiv_(s["exp_avg"], denom, value=-group["lr"] / (1 - beta1**t))
+
+    def zero_grad(self) -> None:
+        for p in self.param_groups[0]["params"]:
+            p.grad = None
+
+
+def train_step(model: nn.Module, opt, rank: int) -> None:
+    torch.manual_seed(100 + rank)  # every rank its own batch
+    loss = F.mse_loss(model(torch.randn(4, 6)), torch.randn(4, 3))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def zero_moments(opt: ZeroOptimizer, names: list[str]) -> dict:
+    """The full AdamW moments of a ZeroOptimizer, gathered (the reference for a resharded load)."""
+    state = opt.state[opt.shard]
+    out = {"step": state["step"].clone()}
+    for key in ("exp_avg", "exp_avg_sq"):
+        flat = allgather(opt.comm, state[key]).view(-1)
+        for name, p, off in zip(names, opt.params, opt.offsets):
+            out[f"{key}.{name}"] = flat[off : off + p.numel()].view(p.shape).clone()
+    return out
+
+
+def clone(state: dict) -> dict:
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def save_at_four(comm, path: str) -> dict:
+    """Save ZeRO-3, ZeRO-2 (+ moments) and TP at 4 ranks; an async save, then a step while it writes."""
+    sharded = FullyShardedModule(small(0), comm)
+    opt3 = PlainAdamW(sharded.parameters(), lr=0.1)
+    train_step(sharded, opt3, comm.rank)
+    plain = small(0)
+    zopt = ZeroOptimizer(plain.parameters(), comm, stage=2, optimizer=PlainAdamW, lr=0.1)
+    train_step(plain, zopt, comm.rank)
+    tp_model = TensorParallelDecoderLM.from_dense(dense(), comm)
+    state = {"fsdp": sharded, "zero": plain, "zero_optim": zopt, "tp": tp_model}
+    checkpoint.save(os.path.join(path, "sync"), state, comm)
+    # the background write is held until the step below has changed the parameters: only the
+    # snapshot taken by save() can keep the old values
+    gate, write = threading.Event(), checkpoint.save_file
+    checkpoint.save_file = lambda tensors, file: (gate.wait(30), write(tensors, file))
+    handle = checkpoint.save(os.path.join(path, "async"), {"fsdp": sharded}, comm, async_save=True)
+    before = sharded.full_state()
+    train_step(sharded, opt3, comm.rank)
+    gate.set()
+    handle.wait()
+    checkpoint.save_file = write
+    names = [n for n, _ in plain.named_parameters()]
+    return {
+        "fsdp": {**before, "scale": plain.scale.clone()},
+        "fsdp_after": sharded.full_state(),
+        "zero": clone(plain.state_dict()),
+        "zero_optim": zero_moments(zopt, names),
+    }
+
+
+def equal(got: dict, want: dict) -> list[str]:
+    """Names whose tensors differ (or are missing): [] when every tensor is bit-equal."""
+    return [k for k in want if k not in got or not torch.equal(got[k], want[k])]
+
+
+def _padding(unit, rank: int) -> torch.Tensor:
+    """The padding elements of this rank's shard of a ZeRO-3 unit (a view)."""
+    n = unit.shard.numel()
+    return unit.shard.detach()[min(max(unit.numel - rank * n, 0), n) :]
+
+
+def load_at(comm, path: str, ref: dict) -> dict:
+    """Load the 4-rank save into this world size (1: plain modules, the full model) and compare."""
+    world, out = comm.world_size, {}
+    fsdp = FullyShardedModule(small(1), comm) if world > 1 else small(1)
+    plain = small(2)
+    zopt = ZeroOptimizer(plain.parameters(), comm, stage=2, optimizer=PlainAdamW, lr=0.1)
+    tp_model = TensorParallelDecoderLM(CFG, comm) if world > 1 else dense(seed=3)
+    state = {"fsdp": fsdp, "zero": plain, "zero_optim": zopt, "tp": tp_model}
+    pads = [_padding(u, comm.rank) for u in fsdp.all_units] if world > 1 else []
+    for pad in pads:
+        pad.fill_(7.0)  # load must zero the new shards' padding
+    out["bytes_read"] = checkpoint.load(os.path.join(path, "sync"), state, comm)
+    out["bytes_held"] = sum(s.tensor.numel() * s.tensor.element_size() for s in layout(state).slots)
+    got = fsdp.full_state() | {"scale": fsdp.module.scale} if world > 1 else fsdp.state_dict()
+    out["fsdp"] = equal(got, ref["fsdp"])
+    out["fsdp_padding"] = [pad.tolist() for pad in pads]
+    out["zero"] = equal(plain.state_dict(), ref["zero"])
+    names = [n for n, _ in plain.named_parameters()]
+    out["zero_optim"] = equal(zero_moments(zopt, names), ref["zero_optim"])
+    want_tp = TensorParallelDecoderLM.from_dense(dense(), comm) if world > 1 else dense()
+    out["tp"] = equal(tp_model.state_dict(), want_tp.state_dict())
+    out["tp_names"] = len(want_tp.state_dict())
+    # the tensor-parallel save loaded into ZeRO-3 (blocks in, flat ranges out)
+    other = FullyShardedModule(dense(seed=4), comm)
+    checkpoint.load(os.path.join(path, "sync"), {"tp": other}, comm, strict=False)
+    out["tp_into_zero3"] = equal(other.full_state(), dict(dense().named_parameters()))
+    if world == 1:
+        out.update(async_and_errors(comm, path, ref))
+    return out
+
+
+def async_and_errors(comm, path: str, ref: dict) -> dict:
+    """The async save equals the sync save of the same step; a mismatched model is refused."""
+    from_async, from_sync = small(5), small(6)
+    checkpoint.load(os.path.join(path, "async"), {"fsdp": from_async}, comm)
+    checkpoint.load(os.path.join(path, "sync"), {"fsdp": from_sync}, comm, strict=False)
+    out = {
+        "async_vs_sync": equal(from_async.state_dict(), from_sync.state_dict()),
+        "async_vs_after": equal(dict(from_async.named_parameters()), ref["fsdp_after"]),
+    }
+    try:
+        checkpoint.load(os.path.join(path, "sync"), {"fsdp": small(0, hidden=4)}, comm, strict=False)
+        out["mismatch"] = None
+    except ValueError as error:
+        out["mismatch"] = str(error)
+    try:
+        checkpoint.load(os.path.join(path, "nothing-here"), small(0), comm)
+        out["missing"] = None
+    except FileNotFoundError as error:
+        out["missing"] = str(error)
+    return out
+
+
+def beside_dcp(comm, path: str) -> dict:
+    """The same weights saved by ours and by torch.distributed.checkpoint, each loaded by both."""
+    import torch.distributed.checkpoint as dcp
+
+    source = dict(dense().state_dict()) | {"small." + k: v for k, v in small(0).state_dict().items()}
+    ours, theirs = os.path.join(path, "ours"), os.path.join(path, "dcp")
+    checkpoint.save(ours, source, comm)
+    dcp.save(source, storage_writer=dcp.FileSystemWriter(theirs))
+    by_ours = {k: torch.zeros_like(v) for k, v in source.items()}
+    checkpoint.load(ours, by_ours, comm)
+    by_dcp = {k: torch.zeros_like(v) for k, v in source.items()}
+    dcp.load(by_dcp, storage_reader=dcp.FileSystemReader(theirs))
+    return {"ours": equal(by_ours, source), "dcp": equal(by_dcp, source), "same": equal(by_ours, by_dcp)}
