@@ -91,6 +91,9 @@ def main(argv=None) -> None:
     from . import layout as layout_bench  # its own arguments and main
 
     layout_bench.add_parser(sub)
+    from . import checkpoint as checkpoint_bench  # its own arguments and main
+
+    checkpoint_bench.add_parser(sub)
     from . import diloco as diloco_bench  # its own arguments and main
 
     diloco_bench.add_parser(sub)
@@ -114,6 +117,8 @@ def main(argv=None) -> None:
         return model_parallel_bench.main(args)
     if args.bench == "layout":
         return layout_bench.main(args)
+    if args.bench == "checkpoint":
+        return checkpoint_bench.main(args)
     if args.bench == "diloco":
         return diloco_bench.main(args)
     if args.bench == "ddp":
