@@ -30,14 +30,10 @@ def test_diloco_bench_counts_the_formula_bytes_and_times_syncs(tmp_path, capsys)
         ]
         assert [step for step, _ in row["curve"]] == [0, 2, 4]
         reached, every = row["steps_to_target"], 1 if row is ddp else 2
-        if reached is None:  # DiLoCo may miss DDP's target in 4 steps: no time then
-            assert row["time_s_10G"] != row["time_s_10G"]  # nan
-            continue
         want = reached * result["compute_s"] + (reached // every) * result["sync_s"][10.0]
         assert row["time_s_10G"] == pytest.approx(want)
-    assert ddp["steps_to_target"] <= 2  # DDP reaches its own loss of step 2
     assert h2["bytes_per_token"] * 2 == pytest.approx(ddp["bytes_per_token"])  # 1/H
-    assert result["target"] == ddp["curve"][1][1]  # DDP's held-out loss at half the run
+    assert result["target"] == max(ddp["final_loss"], h2["final_loss"])  # the worst variant's final loss
     assert result["compute_s"] == pytest.approx(6 * n * 8 / (125e12 * 0.4))
     saved = json.loads((tmp_path / "diloco.json").read_text())
     assert saved["rows"][1]["bytes_sent"] == h2["bytes_sent"]
