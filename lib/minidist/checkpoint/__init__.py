@@ -1,8 +1,13 @@
 """Checkpoints that reshard: save at N ranks, load at any M, bit-equal.
 
     from minidist import checkpoint
-    checkpoint.save(path, {"model": sharded, "optim": opt}, comm)    # every rank calls it
-    checkpoint.load(path, {"model": other, "optim": other_opt}, comm)  # any world size
+    checkpoint.save(path, {"model": model, "optim": zero_opt}, comm)  # every rank calls it
+    checkpoint.load(path, {"model": other, "optim": other_opt}, comm)  # any world size, any layout
+
+``model``: a plain ``nn.Module`` (replicated), one with ``minidist.parallel.tensor`` layers,
+or a ``zero.FullyShardedModule``; ``zero_opt``: a ``zero.ZeroOptimizer`` (its AdamW moments are
+sharded); a dict may hold any of these and tensors. The names are the dense model's, so a
+tensor-parallel or ZeRO-3 save loads into the plain one-process model (world size 1) too.
 
 What a rank holds is a part of each global tensor (``layout``: a block for tensor parallelism,
 a flat range for ZeRO, everything for a replicated tensor). ``save`` writes, per rank, one
@@ -11,17 +16,17 @@ of every global tensor is. Tensors that several ranks hold (replicated weights) 
 by the lowest rank that holds them: the ranks first exchange the list of their parts (one
 allgather of a few hundred bytes per rank), so each rank knows which parts are its to write.
 
-metadata.json, for a 2-rank save of a ZeRO-3 model with a 3 x 3 weight and a 3-element bias in
-one unit (12 elements, 6 per rank, no padding)::
+metadata.json, for a 2-rank save of ``{"model": FullyShardedModule(m, comm)}`` where ``m.linear``
+is ``nn.Linear(2, 3)``: one flat unit of 6 + 3 = 9 elements, padded to 10, 5 per rank::
 
     {"format": "minidist-checkpoint-1", "world_size": 2,
      "tensors": {
-       "model.linear.weight": {"shape": [3, 3], "dtype": "float32", "pieces": [
-           {"file": "rank00000.safetensors", "key": "model.linear.weight", "flat": [0, 6]},
-           {"file": "rank00001.safetensors", "key": "model.linear.weight", "flat": [6, 9]}]},
+       "model.linear.weight": {"shape": [3, 2], "dtype": "float32", "pieces": [
+           {"file": "rank00000.safetensors", "key": "model.linear.weight", "flat": [0, 5]},
+           {"file": "rank00001.safetensors", "key": "model.linear.weight", "flat": [5, 6]}]},
        "model.linear.bias": {"shape": [3], "dtype": "float32", "pieces": [
            {"file": "rank00001.safetensors", "key": "model.linear.bias", "flat": [0, 3]}]}},
-     "flat_groups": {"model.unit0:Linear": {"numel": 12, "padded_numel": 12, "padding": 0}},
+     "flat_groups": {"model.root": {"numel": 9, "padded_numel": 10, "padding": 1}},
      "optimizers": {}}
 
 A tensor-parallel piece has ``"offsets": [r * rows, 0], "sizes": [rows, cols]`` instead of

@@ -198,18 +198,3 @@ def async_and_errors(comm, path: str, ref: dict) -> dict:
     except FileNotFoundError as error:
         out["missing"] = str(error)
     return out
-
-
-def beside_dcp(comm, path: str) -> dict:
-    """The same weights saved by ours and by torch.distributed.checkpoint, each loaded by both."""
-    import torch.distributed.checkpoint as dcp
-
-    source = dict(dense().state_dict()) | {"small." + k: v for k, v in small(0).state_dict().items()}
-    ours, theirs = os.path.join(path, "ours"), os.path.join(path, "dcp")
-    checkpoint.save(ours, source, comm)
-    dcp.save(source, storage_writer=dcp.FileSystemWriter(theirs))
-    by_ours = {k: torch.zeros_like(v) for k, v in source.items()}
-    checkpoint.load(ours, by_ours, comm)
-    by_dcp = {k: torch.zeros_like(v) for k, v in source.items()}
-    dcp.load(by_dcp, storage_reader=dcp.FileSystemReader(theirs))
-    return {"ours": equal(by_ours, source), "dcp": equal(by_dcp, source), "same": equal(by_ours, by_dcp)}
