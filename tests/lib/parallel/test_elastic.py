@@ -142,3 +142,22 @@ def test_a_rank_that_raises_is_a_bug_not_a_lost_machine(tmp_path):
             ew.elastic_worker, world_size=2, args=(2, None, str(tmp_path)), transport="pipe",
             timeout=60, elastic=elastic.Policy(max_restarts=1),
         )  # fmt: skip
+
+
+def test_without_waiting_the_survivors_go_on_and_still_equal_the_replay(tmp_path):
+    """wait_for_replacements=False: when the replacement joins depends on timing, so the check is
+    against a replay of the history the run recorded (whatever it is)."""
+    kills = {(1, 0): ("mid_allreduce", 1)}
+    policy = elastic.Policy(min_size=2, max_restarts=1, wait_for_replacements=False)
+    outs = md.launch(
+        ew.elastic_worker, world_size=3, args=(6, kills, str(tmp_path)), transport="pipe",
+        timeout=60, elastic=policy,
+    )  # fmt: skip
+    history = outs[0]["history"]
+    assert history[:2] == [[0, 1, 2], [0, 2]] and len(history) == 6
+    assert all(c in ([0, 2], [0, 1, 2]) for c in history[2:])
+    model, _ = replay(history)
+    for out in (outs[0], outs[2]):
+        assert out["history"] == history
+        for got, ref in zip(out["params"], model.parameters(), strict=True):
+            assert torch.equal(got, ref.detach())

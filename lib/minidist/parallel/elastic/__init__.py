@@ -76,10 +76,15 @@ class Policy:
         min_size: the fewest ranks a quorum may have; below it the launch fails (ElasticError).
         max_restarts: how many replacement processes may be started in all (0: none; the
             survivors go on at N - 1, N - 2, ... down to ``min_size``).
+        wait_for_replacements: True (default): the next quorum waits for a replacement that
+            is starting, so the membership history does not depend on timing; False: the
+            survivors go on and the replacement joins the first quorum after it has asked
+            (torchft's way: no time lost waiting for a process to start).
     """
 
     min_size: int = 1
     max_restarts: int = 0
+    wait_for_replacements: bool = True
 
     def __post_init__(self) -> None:
         for name in ("min_size", "max_restarts"):

@@ -45,6 +45,7 @@ class Member:
     healthy: bool  # holds the current model and optimizer state (False: a replacement)
     alive: bool = True  # False once it died or returned
     asked: bool = False
+    registered: bool = False  # has asked at least once (a starting replacement has not)
     report: object = None
     peers: set = field(default_factory=set)  # (slot, incarnation) it has pipes with
 
@@ -69,8 +70,9 @@ def recv_fds(control: Connection, count: int) -> list[int]:
 class Coordinator:
     """The state machine of the quorum (see the module docstring). ``min_size``: see Policy."""
 
-    def __init__(self, min_size: int) -> None:
+    def __init__(self, min_size: int, wait_for_replacements: bool = True) -> None:
         self.min_size = min_size
+        self.wait_for_replacements = wait_for_replacements
         self.members: dict[int, Member] = {}  # slot -> its latest incarnation
         self.step = 0  # steps committed so far
         self.total_steps: int | None = None
@@ -100,7 +102,7 @@ class Coordinator:
             if self.total_steps is not None and total != self.total_steps:
                 raise ElasticError(f"slot {slot} trains {total} steps, the others {self.total_steps}")
             self.total_steps = total
-            member.asked = True
+            member.asked = member.registered = True
         elif message[0] == "report":
             member.report = message[1]
         else:
@@ -109,6 +111,9 @@ class Coordinator:
     def progress(self) -> None:
         """Form the quorum or commit the round, if everyone it waits for has spoken."""
         live = self.live()
+        ready = [m for m in live if m.registered or m.healthy]
+        if not self.wait_for_replacements and len(ready) >= self.min_size:
+            live = ready  # go on without the replacements still starting up
         if self.phase == "ask" and live and all(m.asked for m in live):
             self._form_quorum(live)
         elif self.phase == "report":

@@ -70,7 +70,7 @@ def launch_elastic(policy, fn, world_size, args, kwargs, *, transport, start_met
     shared, _ = transports.setup("pipe", world_size)
     stack_dir = tempfile.mkdtemp(prefix="minidist-stacks-")
     forwarder = OutputForwarder() if forward_output else None
-    coordinator = Coordinator(policy.min_size)
+    coordinator = Coordinator(policy.min_size, policy.wait_for_replacements)
     procs: dict[int, tuple] = {}  # slot -> (process, result reader, control) of the latest incarnation
     every_process, to_close = [], []
 

@@ -86,6 +86,7 @@ class FaultTolerant:
         self.step = 0
         self.history: list[list[int]] = []
         self.recoveries = 0  # recovery rounds this rank took part in
+        self.recovered_bytes = 0  # bytes of state this rank received as a joiner
 
     def _ask(self) -> dict:
         self._control.send(("ask", self.total_steps))
@@ -200,6 +201,7 @@ class FaultTolerant:
                 self.model.load_state_dict(state["model"])
                 self.optimizer.load_state_dict(state["optimizer"])
                 self.step, self.history = state["step"], [list(c) for c in state["history"]]
+                self.recovered_bytes += blob.numel()
             except PeerError:
                 ok = False  # the donor died mid-send: we stay a joiner and try again next round
         self._report(ok)
