@@ -97,6 +97,9 @@ def main(argv=None) -> None:
     from . import diloco as diloco_bench  # its own arguments and main
 
     diloco_bench.add_parser(sub)
+    from . import elastic as elastic_bench  # its own arguments and main
+
+    elastic_bench.add_parser(sub)
     args, rest = parser.parse_known_args(argv)
     if args.bench == "large_batch":  # its own options: python -m minidist.bench large_batch --help
         from . import large_batch as bench
@@ -121,6 +124,8 @@ def main(argv=None) -> None:
         return checkpoint_bench.main(args)
     if args.bench == "diloco":
         return diloco_bench.main(args)
+    if args.bench == "elastic":
+        return elastic_bench.main_from_args(args)
     if args.bench == "ddp":
         from . import ddp as bench
 
