@@ -21,8 +21,9 @@ ZeRO's flat shards, for a unit of tensors A (6 elements) and B (5), 4 ranks, pad
 ``slots(obj, comm)`` reads the layout from the objects themselves: a plain ``nn.Module`` or
 tensor (replicated), the tensor-parallel layers of ``minidist.parallel.tensor`` (a box per
 shard), ``zero.FullyShardedModule`` (flat ranges of each unit's shard), ``zero.ZeroOptimizer``
-(flat ranges of its AdamW moments, and the step as a replicated scalar), or a dict of those
-(names prefixed by the key).
+(flat ranges of its AdamW moments, and the step as a replicated scalar), an optimizer such as
+``torch.optim.AdamW`` over a model's parameters or a ZeRO-3 model's shards (its state laid out
+like the parameters), or a dict of those (names prefixed by the key).
 """
 
 from __future__ import annotations
@@ -133,71 +134,116 @@ def _flat(names, shapes, offsets, local: torch.Tensor, rank: int, world: int, gr
     out.groups[group] = {"numel": end, "padded_numel": n * world, "padding": n * world - end}
 
 
-def _fully_sharded(sharded: FullyShardedModule, prefix: str, out: Layout) -> None:
-    comm, module = sharded.comm, sharded.module
-    state = module.state_dict(keep_vars=True)
+def _units(sharded: FullyShardedModule, prefix: str) -> list[tuple]:
+    """(unit, names, shapes, offsets) of each flat unit; a tied table has two names (both saved)."""
     names_of: dict[int, list[str]] = {}
-    for name, t in state.items():
-        names_of.setdefault(id(t), []).append(name)
-    managed = set()
+    for name, t in sharded.module.state_dict(keep_vars=True).items():
+        names_of.setdefault(id(t), []).append(prefix + name)
+    units = []
     for unit in sharded.all_units:
-        names, shapes, offsets = [], [], []
-        for p, off in zip(unit.params, unit.offsets):
-            managed.add(id(p))
-            for name in names_of.get(id(p), []):  # a tied table has two names: both are saved
-                names.append(prefix + name)
-                shapes.append(tuple(p.shape))
-                offsets.append(off)
+        members = [
+            (n, tuple(p.shape), off) for p, off in zip(unit.params, unit.offsets) for n in names_of[id(p)]
+        ]
+        units.append((unit, *map(list, zip(*members))))
+    return units
+
+
+def _fully_sharded(sharded: FullyShardedModule, prefix: str, out: Layout) -> None:
+    comm = sharded.comm
+    for unit, names, shapes, offsets in _units(sharded, prefix):
         local = unit.shard.detach()
         _flat(names, shapes, offsets, local, comm.rank, comm.world_size, prefix + unit.name, out)
-    for name, t in state.items():
+    managed = {id(p) for unit in sharded.all_units for p in unit.params}
+    for name, t in sharded.module.state_dict(keep_vars=True).items():
         if id(t) not in managed:  # buffers, frozen parameters: replicated
             t = t.detach()
             out.slots.append(Slot(prefix + name, tuple(t.shape), t.dtype, full_box(t), t))
 
 
 def _zero_optimizer(opt: ZeroOptimizer, prefix: str, names: dict, saved: dict | None, out: Layout) -> None:
-    """AdamW's exp_avg / exp_avg_sq of the flat shard, cut at the parameters; the step, replicated.
+    """AdamW's exp_avg / exp_avg_sq of the flat shard, cut at the parameters; the step, replicated
+    (under every parameter's name, as a plain optimizer keeps it: the two load into each other).
 
     Before its first step an optimizer has no state: for a load, the keys saved in the
     checkpoint (``saved``) are created first (zeros of the shard's shape, or a scalar)."""
     state = opt.inner.state.setdefault(opt.shard, {})
-    if saved is not None:
-        for key in saved["flat"]:
-            state.setdefault(key, torch.zeros_like(opt.shard.detach()))
-        for key in saved["replicated"]:
-            state.setdefault(key, torch.zeros((), dtype=torch.float32))
-    flat_keys = [k for k, v in state.items() if torch.is_tensor(v) and v.shape == opt.shard.shape]
-    other = [k for k, v in state.items() if torch.is_tensor(v) and k not in flat_keys]
-    out.optimizers[prefix] = {"flat": flat_keys, "replicated": other}
+    for key, kind in (saved or {}).items():
+        state.setdefault(key, torch.zeros_like(opt.shard.detach()) if kind == "param" else torch.zeros(()))
+    kinds = {
+        k: "param" if v.shape == opt.shard.shape else "scalar" for k, v in state.items() if torch.is_tensor(v)
+    }
+    out.optimizers[prefix] = {"per_parameter": kinds}
     pnames = [names.get(id(p), f"param{i}") for i, p in enumerate(opt.params)]
     shapes = [tuple(p.shape) for p in opt.params]
     comm = opt.comm
-    for key in flat_keys:
+    for key, kind in kinds.items():
         keyed = [f"{prefix}{key}.{n}" for n in pnames]
-        _flat(keyed, shapes, opt.offsets, state[key], comm.rank, comm.world_size, prefix + key, out)
-    for key in other:
-        t = state[key]
-        out.slots.append(Slot(prefix + key, tuple(t.shape), t.dtype, full_box(t), t))
+        if kind == "param":
+            _flat(keyed, shapes, opt.offsets, state[key], comm.rank, comm.world_size, prefix + key, out)
+        else:
+            t = state[key].detach()
+            out.slots.extend(Slot(name, tuple(t.shape), t.dtype, full_box(t), t) for name in keyed)
+
+
+def _optimizer(opt, prefix: str, names: dict, shards: dict, saved: dict | None, out: Layout) -> None:
+    """A plain optimizer (torch.optim.AdamW, ...) over a model's parameters or over the flat shards
+    of a ``FullyShardedModule``: each state tensor is laid out like its parameter (replicated, or
+    the unit's flat ranges, cut at the unit's parameters); a scalar (AdamW's step) is replicated.
+    Before its first step an optimizer has no state: for a load, the saved keys are created."""
+    kinds = {}
+    for i, p in enumerate(q for group in opt.param_groups for q in group["params"]):
+        state = opt.state.setdefault(p, {}) if saved else opt.state.get(p, {})
+        for key, kind in (saved or {}).items():
+            state.setdefault(key, torch.zeros_like(p.detach()) if kind == "param" else torch.zeros(()))
+        for key, t in state.items():
+            if not torch.is_tensor(t):
+                continue
+            kinds[key] = "param" if t.shape == p.shape and t.dim() else "scalar"
+            if id(p) not in shards:
+                name = f"{prefix}{key}.{names.get(id(p), f'param{i}')}"
+                out.slots.append(Slot(name, tuple(t.shape), t.dtype, full_box(t), t.detach()))
+                continue
+            unit, comm, pnames, shapes, offsets = shards[id(p)]  # a ZeRO-3 unit's shard: its flat ranges
+            keyed = [f"{prefix}{key}.{n}" for n in pnames]
+            if kinds[key] == "param":
+                _flat(
+                    keyed,
+                    shapes,
+                    offsets,
+                    t.detach(),
+                    comm.rank,
+                    comm.world_size,
+                    f"{prefix}{key}.{unit.name}",
+                    out,
+                )
+            else:  # the unit's step, under each of its parameters' names
+                out.slots.extend(Slot(n, tuple(t.shape), t.dtype, full_box(t), t.detach()) for n in keyed)
+    out.optimizers[prefix] = {"per_parameter": kinds}
 
 
 def layout(obj, saved_optimizers: dict | None = None) -> Layout:
     """Every slot of ``obj`` on this rank (see the module docstring for what ``obj`` may be)."""
     out = Layout()
     items = obj.items() if isinstance(obj, dict) else [("", obj)]
-    names = {}  # parameter -> name, so that optimizer state is named after the model's parameters
+    names, shards = {}, {}  # parameter -> name (optimizer state is named after the model's parameters)
     for key, value in items:
+        prefix = f"{key}." if key else ""
+        if isinstance(value, FullyShardedModule):
+            for unit, pnames, shapes, offsets in _units(value, prefix):
+                shards[id(unit.shard)] = (unit, value.comm, pnames, shapes, offsets)
         module = value.module if isinstance(value, FullyShardedModule) else value
         if isinstance(module, nn.Module):
             for n, p in module.named_parameters():
-                names[id(p)] = f"{key}.{n}" if key else n
+                names[id(p)] = prefix + n
     for key, value in items:
         prefix = f"{key}." if key else ""
+        saved = (saved_optimizers or {}).get(prefix, {}).get("per_parameter")
         if isinstance(value, nn.Module):
             _module(value, prefix, out)
         elif isinstance(value, ZeroOptimizer):
-            saved = (saved_optimizers or {}).get(prefix)
             _zero_optimizer(value, prefix, names, saved, out)
+        elif hasattr(value, "param_groups") and hasattr(value, "state"):
+            _optimizer(value, prefix, names, shards, saved, out)
         elif isinstance(value, torch.Tensor):
             t = value.detach()
             out.slots.append(Slot(key, tuple(t.shape), t.dtype, full_box(t), t))
@@ -211,7 +257,7 @@ def layout(obj, saved_optimizers: dict | None = None) -> Layout:
         else:
             raise TypeError(
                 f"checkpoint: {key or 'the object'} is a {type(value).__name__}; pass an nn.Module, "
-                "a tensor, a FullyShardedModule, a ZeroOptimizer, or a dict of those"
+                "a tensor, a FullyShardedModule, a ZeroOptimizer, an optimizer, or a dict of those"
             )
     out.names |= {s.name for s in out.slots}
     names_seen = [s.name for s in out.slots]

@@ -102,6 +102,25 @@ def zero_moments(opt: ZeroOptimizer, names: list[str]) -> dict:
     return out
 
 
+def plain_moments(model: nn.Module, opt) -> dict:
+    """An optimizer's state per parameter name: over a FullyShardedModule's shards (gathered and cut
+    at the parameters), or over a plain model's parameters."""
+    out = {}
+    if isinstance(model, FullyShardedModule):
+        names = {id(p): n for n, p in model.module.named_parameters()}
+        for unit in model.all_units:
+            state = opt.state[unit.shard]
+            for key in ("exp_avg", "exp_avg_sq"):
+                flat = allgather(model.comm, state[key]).view(-1)
+                for p, off in zip(unit.params, unit.offsets):
+                    out[f"{key}.{names[id(p)]}"] = flat[off : off + p.numel()].view(p.shape).clone()
+            out.update({f"step.{names[id(p)]}": state["step"].clone() for p in unit.params})
+        return out
+    for name, p in model.named_parameters():
+        out.update({f"{key}.{name}": t.clone() for key, t in opt.state[p].items()})
+    return out
+
+
 def clone(state: dict) -> dict:
     return {k: v.detach().clone() for k, v in state.items()}
 
@@ -115,8 +134,9 @@ def save_at_four(comm, path: str) -> dict:
     zopt = ZeroOptimizer(plain.parameters(), comm, stage=2, optimizer=PlainAdamW, lr=0.1)
     train_step(plain, zopt, comm.rank)
     tp_model = TensorParallelDecoderLM.from_dense(dense(), comm)
-    state = {"fsdp": sharded, "zero": plain, "zero_optim": zopt, "tp": tp_model}
+    state = {"fsdp": sharded, "fsdp_optim": opt3, "zero": plain, "zero_optim": zopt, "tp": tp_model}
     checkpoint.save(os.path.join(path, "sync"), state, comm)
+    fsdp_moments = plain_moments(sharded, opt3)
     # the background write is held until the step below has changed the parameters: only the
     # snapshot taken by save() can keep the old values
     gate, write = threading.Event(), checkpoint.save_file
@@ -131,6 +151,7 @@ def save_at_four(comm, path: str) -> dict:
     return {
         "fsdp": {**before, "scale": plain.scale.clone()},
         "fsdp_after": sharded.full_state(),
+        "fsdp_optim": fsdp_moments,
         "zero": clone(plain.state_dict()),
         "zero_optim": zero_moments(zopt, names),
     }
@@ -154,7 +175,8 @@ def load_at(comm, path: str, ref: dict) -> dict:
     plain = small(2)
     zopt = ZeroOptimizer(plain.parameters(), comm, stage=2, optimizer=PlainAdamW, lr=0.1)
     tp_model = TensorParallelDecoderLM(CFG, comm) if world > 1 else dense(seed=3)
-    state = {"fsdp": fsdp, "zero": plain, "zero_optim": zopt, "tp": tp_model}
+    fsdp_opt = PlainAdamW(fsdp.parameters(), lr=0.1)  # no state yet: load creates it
+    state = {"fsdp": fsdp, "fsdp_optim": fsdp_opt, "zero": plain, "zero_optim": zopt, "tp": tp_model}
     pads = [_padding(u, comm.rank) for u in fsdp.all_units] if world > 1 else []
     for pad in pads:
         pad.fill_(7.0)  # load must zero the new shards' padding
@@ -163,6 +185,7 @@ def load_at(comm, path: str, ref: dict) -> dict:
     got = fsdp.full_state() | {"scale": fsdp.module.scale} if world > 1 else fsdp.state_dict()
     out["fsdp"] = equal(got, ref["fsdp"])
     out["fsdp_padding"] = [pad.tolist() for pad in pads]
+    out["fsdp_optim"] = equal(plain_moments(fsdp, fsdp_opt), ref["fsdp_optim"])
     out["zero"] = equal(plain.state_dict(), ref["zero"])
     names = [n for n, _ in plain.named_parameters()]
     out["zero_optim"] = equal(zero_moments(zopt, names), ref["zero_optim"])

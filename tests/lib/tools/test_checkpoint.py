@@ -39,9 +39,10 @@ def loaded(saved):
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("what", ["fsdp", "zero", "zero_optim", "tp", "tp_into_zero3"])
+@pytest.mark.parametrize("what", ["fsdp", "fsdp_optim", "zero", "zero_optim", "tp", "tp_into_zero3"])
 def test_load_at_another_world_size_is_bit_equal(loaded, world, what):
-    """ZeRO-3 weights, ZeRO-2 weights and AdamW moments, TP decoder: torch.equal to the reference."""
+    """ZeRO-3 weights and its optimizer's moments and steps, ZeRO-2 weights and moments, the TP
+    decoder (and it loaded into ZeRO-3): torch.equal to the reference, on every rank."""
     for rank, result in enumerate(loaded[world]):
         assert result[what] == [], f"rank {rank} of {world}: {what} differs in {result[what]}"
 
