@@ -10,6 +10,7 @@ Model parallelism, imported by name (``from minidist.parallel import tensor as t
 ``tensor`` (Megatron-style tensor parallel), ``pipeline`` (GPipe/1F1B schedules and their
 executor), ``zero`` (ZeRO-1/2/3), ``offload`` (optimizer state in files on disk). Also
 ``group`` (sub-communicators), ``compression``, ``averaging`` and ``stragglers``.
+Lecture 11: ``local_sgd`` (local SGD, DiLoCo and Streaming DiLoCo: talk once every H steps).
 """
 
 from .buckets import allreduce_average
