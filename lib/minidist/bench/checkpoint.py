@@ -10,9 +10,11 @@ decoder (its state dict replicated) and each side saves it, then loads it into a
                      of a replicated tensor (ours: the lowest rank that holds it; DCP's planner
                      deduplicates the same way)
 
-Then the asynchronous save: ``steps`` training steps (forward, backward, SGD on each rank, no
-communication) that include one checkpoint, three ways, each timed from the first step to the
-end of the last (and of the save), on every rank in lockstep:
+Then the asynchronous save: ``steps`` training steps that include one checkpoint, three ways,
+each timed from the first step to the end of the last (and of the save), ranks in lockstep.
+A step is ``step_ms`` of emulated compute (``minidist.clock.wait``: what a GPU would spend,
+no CPU and no GIL taken, as on a GPU the host is free while kernels run) followed by a real
+in-place update of every parameter (what the snapshot must not see):
 
     no save      the steps alone
     sync save    save() (the whole write blocks), then the steps
@@ -20,8 +22,10 @@ end of the last (and of the save), on every rank in lockstep:
                  the background thread writes, then handle.wait() (a barrier; metadata.json)
     ratio        each time / "no save": the step-time cost of taking the checkpoint
 
-Wall-clock: the machine's load moves these numbers (docs/benchmarks.md states the run);
-bytes are exact. Every loaded tensor is checked equal to the saved one (torch.equal).
+The saves and loads are wall-clock (disk and CPU): the machine's load moves them (the tables
+give min-max over the repeats; docs/benchmarks.md states the run); bytes are exact. Both
+sides fsync their files (DCP's FileSystemWriter does by default). Every loaded tensor is
+checked equal to the saved one (torch.equal).
 """
 
 from __future__ import annotations
@@ -34,8 +38,8 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.nn.functional as F
 
+from .. import clock
 from ..comm import Communicator
 from ._util import human_bytes, out_dir, print_table, save_json
 
@@ -48,6 +52,7 @@ class CheckpointBench:
     vocab: int = 4096
     repeats: int = 3
     steps: int = 5
+    step_ms: float = 20.0
 
 
 def _model(cfg: CheckpointBench, seed: int):
@@ -72,18 +77,13 @@ def _timed(comm: Communicator, fn) -> float:
     return time.perf_counter() - start
 
 
-def _steps(model, count: int, seed: int) -> None:
-    """``count`` SGD steps on a fixed small batch (no communication)."""
-    torch.manual_seed(seed)
-    ids = torch.randint(0, model.cfg.vocab_size, (2, 32))
+def _steps(model, count: int, step_s: float) -> None:
+    """``count`` steps: ``step_s`` of emulated compute, then every parameter updated in place."""
     for _ in range(count):
-        logits = model(ids).logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-        loss.backward()
+        clock.wait(step_s)
         with torch.no_grad():
             for p in model.parameters():
-                p -= 1e-3 * p.grad
-                p.grad = None
+                p.add_(1e-3)
 
 
 def checkpoint_worker(comm: Communicator, cfg: CheckpointBench, root: str) -> dict:
@@ -111,20 +111,21 @@ def checkpoint_worker(comm: Communicator, cfg: CheckpointBench, root: str) -> di
                 raise AssertionError(f"{k}: a loaded tensor differs from the saved one")
     out["ours bytes"], out["dcp bytes"] = _disk_bytes(ours), _disk_bytes(theirs)
     # the asynchronous save: the same steps with a checkpoint taken at their start, three ways
-    _steps(model, 2, seed=comm.rank)  # warm-up
     for r in range(cfg.repeats):
         path = os.path.join(root, f"steps{r}")
 
         def sync_save():
             checkpoint.save(path + "sync", model, comm)
-            _steps(model, cfg.steps, seed=comm.rank)
+            _steps(model, cfg.steps, cfg.step_ms / 1e3)
 
         def async_save():
             handle = checkpoint.save(path + "async", model, comm, async_save=True)
-            _steps(model, cfg.steps, seed=comm.rank)
+            _steps(model, cfg.steps, cfg.step_ms / 1e3)
             handle.wait()
 
-        out.setdefault("no save", []).append(_timed(comm, lambda: _steps(model, cfg.steps, seed=comm.rank)))
+        out.setdefault("no save", []).append(
+            _timed(comm, lambda: _steps(model, cfg.steps, cfg.step_ms / 1e3))
+        )
         out.setdefault("sync save", []).append(_timed(comm, sync_save))
         out.setdefault("async save", []).append(_timed(comm, async_save))
     return out
@@ -162,7 +163,8 @@ def run(cfg: CheckpointBench, out: str | None = None) -> dict:
             [k, statistics.median(result[k]) * 1e3, _spread(result[k]), statistics.median(result[k]) / base]
             for k in ("no save", "sync save", "async save")
         ],  # fmt: skip
-        title=f"{cfg.steps} training steps that include one save (median of {cfg.repeats})",
+        title=f"{cfg.steps} steps of {cfg.step_ms:g} ms emulated compute that include one save "
+        f"(median of {cfg.repeats})",
     )
     record = {"config": asdict(cfg), "result": result}
     save_json(out_dir(out), "checkpoint", record)
@@ -178,11 +180,12 @@ def add_parser(sub) -> None:
     parser.add_argument("--hidden", type=int, default=d.hidden, help=f"decoder width (default {d.hidden})")
     parser.add_argument("--layers", type=int, default=d.layers)
     parser.add_argument("--repeats", type=int, default=d.repeats)
-    parser.add_argument("--steps", type=int, default=d.steps, help="timed steps without and during a save")
+    parser.add_argument("--steps", type=int, default=d.steps, help="steps that include one save")
+    parser.add_argument("--step-ms", type=float, default=d.step_ms, help="emulated compute per step")
     parser.add_argument("--out", default=None, help="folder for the JSON (default bench-results/)")
 
 
 def main(args) -> None:
     cfg = CheckpointBench(world_size=args.world_size, hidden=args.hidden, layers=args.layers,
-                          repeats=args.repeats, steps=args.steps)  # fmt: skip
+                          repeats=args.repeats, steps=args.steps, step_ms=args.step_ms)  # fmt: skip
     run(cfg, args.out)

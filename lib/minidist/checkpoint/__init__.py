@@ -116,7 +116,9 @@ class SaveHandle:
     def _write(self) -> None:
         try:
             if self.snapshot:
-                save_file(self.snapshot, os.path.join(self.path, _file(self.comm.rank)))
+                file = os.path.join(self.path, _file(self.comm.rank))
+                save_file(self.snapshot, file)
+                _fsync(file)  # on the disk, not only in the page cache, before metadata.json says so
         except BaseException as error:  # raised again by wait(), on the caller's thread
             self.error = error
 
@@ -134,9 +136,29 @@ class SaveHandle:
             tmp = os.path.join(self.path, METADATA + ".tmp")
             with open(tmp, "w") as f:
                 json.dump(self.meta, f, indent=1)
+            _fsync(tmp)
             os.replace(tmp, os.path.join(self.path, METADATA))  # atomic: the save exists now
         self.comm.barrier()  # nobody returns (and loads) before metadata.json exists
         self.snapshot, self.done = {}, True
+
+
+def _fsync(file: str) -> None:
+    with open(file, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _snapshot(tensors: dict[str, torch.Tensor], copy_all: bool) -> dict[str, torch.Tensor]:
+    """What the writer gets: copies of everything for an async save (training goes on and changes
+    the originals); for a sync save, copies only where safetensors needs them (a tensor that
+    shares its storage with another one, as a ZeRO shard's slices do, or not contiguous on the CPU)."""
+    storages: dict[int, int] = {}
+    for t in tensors.values():
+        storages[t.untyped_storage().data_ptr()] = storages.get(t.untyped_storage().data_ptr(), 0) + 1
+    out = {}
+    for name, t in tensors.items():
+        alone = storages[t.untyped_storage().data_ptr()] == 1 and t.is_contiguous() and t.device.type == "cpu"
+        out[name] = t if alone and not copy_all else t.to("cpu", copy=True).contiguous()
+    return out
 
 
 def save(path: str, obj, comm: Communicator, *, async_save: bool = False) -> SaveHandle:
@@ -153,11 +175,9 @@ def save(path: str, obj, comm: Communicator, *, async_save: bool = False) -> Sav
     lay = layout(obj)
     mine = [[s.name, list(s.shape), _dtype(s.dtype), s.region.to_json()] for s in lay.slots]
     meta, writes = _metadata(_allgather_json(comm, mine), lay, comm.world_size)
-    snapshot = {
-        s.name: s.tensor.detach().to("cpu", copy=True).contiguous()
-        for s in lay.slots
-        if s.name in writes[comm.rank]
-    }
+    snapshot = _snapshot(
+        {s.name: s.tensor.detach() for s in lay.slots if s.name in writes[comm.rank]}, async_save
+    )
     handle = SaveHandle(path, comm, meta, snapshot, background=async_save)
     if not async_save:
         handle.wait()
