@@ -102,7 +102,7 @@ def average_async(comm: Communicator, delta: torch.Tensor, quantize: str | None 
     works = [allgather(comm, q.packed, async_op=True), allgather(comm, q.absmax, async_op=True)]
 
     def finish_nf4(all_packed: torch.Tensor, all_absmax: torch.Tensor) -> torch.Tensor:
-        total = torch.zeros(n)
+        total = torch.zeros(n, device=delta.device)
         for r in range(p):
             row = NF4Tensor(packed=all_packed[r], shape=q.shape, block=BLOCK, dtype=torch.float32)
             row.absmax = all_absmax[r]
