@@ -206,16 +206,8 @@ def _optimizer(opt, prefix: str, names: dict, shards: dict, saved: dict | None, 
             unit, comm, pnames, shapes, offsets = shards[id(p)]  # a ZeRO-3 unit's shard: its flat ranges
             keyed = [f"{prefix}{key}.{n}" for n in pnames]
             if kinds[key] == "param":
-                _flat(
-                    keyed,
-                    shapes,
-                    offsets,
-                    t.detach(),
-                    comm.rank,
-                    comm.world_size,
-                    f"{prefix}{key}.{unit.name}",
-                    out,
-                )
+                group = f"{prefix}{key}.{unit.name}"
+                _flat(keyed, shapes, offsets, t.detach(), comm.rank, comm.world_size, group, out)
             else:  # the unit's step, under each of its parameters' names
                 out.slots.extend(Slot(n, tuple(t.shape), t.dtype, full_box(t), t.detach()) for n in keyed)
     out.optimizers[prefix] = {"per_parameter": kinds}

@@ -206,7 +206,16 @@ def async_and_errors(comm, path: str, ref: dict) -> dict:
     from_async, from_sync = small(5), small(6)
     checkpoint.load(os.path.join(path, "async"), {"fsdp": from_async}, comm)
     checkpoint.load(os.path.join(path, "sync"), {"fsdp": from_sync}, comm, strict=False)
+    # the ZeRO-2 optimizer's state into a plain optimizer over a plain model (the same names)
+    model = small(7)
+    opt = PlainAdamW(model.parameters(), lr=0.1)
+    checkpoint.load(os.path.join(path, "sync"), {"zero": model, "zero_optim": opt}, comm, strict=False)
+    moments = plain_moments(model, opt)
+    steps = [moments.pop(k) for k in list(moments) if k.startswith("step.")]
+    want = {k: v for k, v in ref["zero_optim"].items() if k != "step"}
     out = {
+        "zero_into_plain": equal(moments, want)
+        + [s for s in steps if not torch.equal(s, ref["zero_optim"]["step"])],
         "async_vs_sync": equal(from_async.state_dict(), from_sync.state_dict()),
         "async_vs_after": equal(dict(from_async.named_parameters()), ref["fsdp_after"]),
     }

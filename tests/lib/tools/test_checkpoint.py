@@ -47,6 +47,11 @@ def test_load_at_another_world_size_is_bit_equal(loaded, world, what):
         assert result[what] == [], f"rank {rank} of {world}: {what} differs in {result[what]}"
 
 
+def test_zero_optimizer_state_loads_into_a_plain_optimizer(loaded):
+    """ZeRO-2's flat moment shards saved at 4, loaded into AdamW state over a plain model: equal."""
+    assert loaded[1][0]["zero_into_plain"] == []
+
+
 def test_the_tensor_parallel_save_has_the_dense_models_names(loaded):
     assert loaded[1][0]["tp_names"] == len(w.dense().state_dict())
 
