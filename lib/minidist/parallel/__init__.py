@@ -11,6 +11,8 @@ Model parallelism, imported by name (``from minidist.parallel import tensor as t
 executor), ``zero`` (ZeRO-1/2/3), ``offload`` (optimizer state in files on disk). Also
 ``group`` (sub-communicators), ``compression``, ``averaging`` and ``stragglers``.
 Lecture 11: ``local_sgd`` (local SGD, DiLoCo and Streaming DiLoCo: talk once every H steps).
+``elastic`` (a quorum per step: training goes on when ranks die, replacements recover from a
+healthy peer; ``md.launch(..., elastic=elastic.Policy(...))``).
 """
 
 from .buckets import allreduce_average
