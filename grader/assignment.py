@@ -112,6 +112,9 @@ class Assignment:
     redact: Callable[[str], str] = redact_expected  # what a student may see of a failure
     sandbox_files: tuple[str, ...] = ("workers.py", "rules.py")  # of grader/<name>/, for the sandbox
     workers_module: str = "workers"
+    #: modules the sandbox's harness imports once before it forks the workers: those every worker
+    #: would import again (torch.optim imports torch._dynamo: ~0.8 CPU-s per worker that trains)
+    sandbox_preload: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, package: str, **fields: Any) -> Assignment:

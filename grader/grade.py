@@ -276,7 +276,8 @@ class Grader:
             shutil.copyfile(HARNESS, workdir / "harness.py")
             jobs = [t.job.as_json(f"t{index:03d}", self.args.test_timeout) for index, t in enumerate(tests)]
             probe = [Path(name).stem for name in self.assignment.student_files]
-            (workdir / "spec.json").write_text(json.dumps({"jobs": jobs, "probe": probe}))
+            preload = list(self.assignment.sandbox_preload)
+            (workdir / "spec.json").write_text(json.dumps({"jobs": jobs, "probe": probe, "preload": preload}))
             (workdir / "results").mkdir()
             inside = Path(sandbox.work_mount(workdir)) if self.isolated else workdir
             if uid is not None:  # the grader's files stay root's: only results/ is the sandbox's to write

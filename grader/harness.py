@@ -164,6 +164,8 @@ def probe_imports(modules: list[str], folder: str) -> bool:
 def main(spec_path: str, folder: str) -> int:
     with open(spec_path) as file:
         spec = json.load(file)
+    for name in spec.get("preload", []):  # the assignment's, imported once here, inherited by each fork
+        importlib.import_module(name)
     if not probe_imports(spec.get("probe", []), folder):
         return 0
     for job in spec["jobs"]:

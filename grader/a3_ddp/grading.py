@@ -48,6 +48,7 @@ HINTS = {
 
 ASSIGNMENT = Assignment.of(
     __package__,
+    sandbox_preload=("torch._dynamo",),  # its workers build torch.optim optimizers
     hints=HINTS,
     similar_to=SIMILAR_TO,
     given_functions=GIVEN_FUNCTIONS,
