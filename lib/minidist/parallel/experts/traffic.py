@@ -13,8 +13,10 @@ Two ways to spread E experts over p ranks:
 Bytes per token (forward, one MoE layer, s = bytes an element; bytes all ranks send divided by
 the distinct tokens they process):
 
-    EP   2 · k · d · s · f_off        f_off = fraction of the kept assignments whose expert is
-                                      on another rank; (p-1)/p for uniform routing
+    EP   2 · k · d · s · f_off        f_off = the kept assignments whose expert is on another
+                                      rank, as a fraction of ALL T·k assignments (dropped ones
+                                      count in the denominator, they send nothing); (p-1)/p for
+                                      uniform routing with nothing dropped
     TP   2 · (p-1) · d · s            a ring allreduce of T·d elements: each of the p ranks sends
                                       2 (p-1)/p of them, for T tokens
 
@@ -79,7 +81,8 @@ def bytes_per_token(
 ) -> dict[str, float]:
     """Forward bytes per token of one MoE layer, EP and TP side by side (see the module docstring).
 
-    ``off_rank_fraction`` defaults to (p-1)/p (uniform routing). Counts are left out of "ep".
+    ``off_rank_fraction``: kept off-rank assignments / (T·k), defaults to (p-1)/p (uniform routing,
+    no drops). Counts are left out of "ep".
     """
     p = world_size
     f_off = (p - 1) / p if off_rank_fraction is None else off_rank_fraction
