@@ -77,3 +77,20 @@ def elastic_worker(comm, total_steps: int, kills: dict, pid_dir: str):
         "optimizer": optimizer.state_dict(),
         "recoveries": ft.recoveries,
     }
+
+
+def large_gradient_worker(comm, features: int):
+    """Two steps of a (features x features) float64 layer: a gradient over a pipe's 1 MiB buffer."""
+    slot, _ = elastic.identity()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(features, features, bias=False, dtype=torch.float64)
+    optimizer = HandAdam(model.parameters())
+    ft = elastic.FaultTolerant(comm, model, optimizer, 2)
+    grads = []
+    while ft.step < 2:
+        step = ft.step
+        g = torch.Generator().manual_seed(1000 * step + slot)
+        x = torch.randn(4, features, generator=g, dtype=torch.float64)
+        ft.train_step(lambda _step: model(x).pow(2).mean())
+        grads.append(model.weight.grad.clone())
+    return {"history": ft.history, "grads": grads}

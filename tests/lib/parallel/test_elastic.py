@@ -161,3 +161,18 @@ def test_without_waiting_the_survivors_go_on_and_still_equal_the_replay(tmp_path
         assert out["history"] == history
         for got, ref in zip(out["params"], model.parameters(), strict=True):
             assert torch.equal(got, ref.detach())
+
+
+def test_a_gradient_larger_than_a_pipe_buffer_is_exchanged_without_deadlock():
+    # 400 x 400 float64 = 1.28 MB a gradient: blocking sends on both sides first would wait forever
+    outs = md.launch(
+        ew.large_gradient_worker,
+        world_size=2,
+        args=(400,),
+        transport="pipe",
+        timeout=60,
+        elastic=elastic.Policy(min_size=2),
+    )
+    assert [out["history"] for out in outs] == [[[0, 1], [0, 1]]] * 2
+    for step in range(2):  # both ranks applied the same average of both gradients
+        assert torch.equal(outs[0]["grads"][step], outs[1]["grads"][step])

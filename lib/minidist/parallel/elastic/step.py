@@ -149,9 +149,20 @@ class FaultTolerant:
         return float(loss.detach())
 
     def _exchange(self, flat: torch.Tensor, members: list[int], step: int) -> dict[int, torch.Tensor]:
-        """Send our gradient to every member and receive theirs; a dead member is skipped."""
+        """Send our gradient to every member and receive theirs; a dead member is skipped.
+
+        Every receive is posted before the first send: a gradient larger than a pipe's buffer
+        (1 MiB) is then drained by the peer's receive while we write it, where blocking sends on
+        both sides first would deadlock (each waits for the other to read)."""
         others = [m for m in members if m != self.slot]
         held = {self.slot: flat}
+        receives = []
+        for peer in others:
+            buffer = torch.empty_like(flat)
+            try:
+                receives.append((peer, buffer, self.comm.irecv(buffer, peer, tag=step + 1)))
+            except PeerError:
+                pass
         works = []
         for i, peer in enumerate(others):
             try:
@@ -161,10 +172,9 @@ class FaultTolerant:
                     self.on_point("mid_allreduce", step)
             except PeerError:
                 pass
-        for peer in others:
-            buffer = torch.empty_like(flat)
+        for peer, buffer, work in receives:
             try:
-                self.comm.recv(buffer, peer, tag=step + 1)
+                work.wait()
                 held[peer] = buffer
             except PeerError:
                 pass
