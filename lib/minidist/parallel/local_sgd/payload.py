@@ -7,9 +7,9 @@ tensor, bit for bit, on every rank.
 * ``quantize=None``: ``md.allreduce(op="avg", algorithm="ring", async_op=True)`` of the fp32
   delta. A rank sends 2(p-1)/p x 4n bytes (``cost_model.bytes_sent``, exact).
 * ``"int8"``: absmax int8 (``minidist.quant.quantize_absmax_int8``) in blocks of ``BLOCK``
-  values, one fp32 scale each: n + 4 ceil(n/B) bytes of payload.
+  values, one fp32 scale each: B ceil(n/B) + 4 ceil(n/B) bytes of payload (the last block padded).
 * ``"nf4"`` (4 bits): ``minidist.quant.quantize_nf4`` (NormalFloat codes, two a byte, one fp32
-  absmax a block, no double quantization): n/2 + 4 ceil(n/B) bytes. (Streaming DiLoCo sends
+  absmax a block, no double quantization): B/2 ceil(n/B) + 4 ceil(n/B) bytes. (Streaming DiLoCo sends
   4-bit floats, E3M0; NF4 is the 4-bit format this library has.)
 
 Why not allreduce the codes? A sum of int8 codes with different scales means nothing, and a
