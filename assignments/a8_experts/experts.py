@@ -31,8 +31,8 @@ The rules, the same as lecture 10's:
   token (the other gates are not renormalised).
 - **What you may use.** ``comm.send``, ``recv``, ``isend``, ``irecv`` on the communicator you are
   given, ``torch.autograd.Function``, plain torch. Not the library's collectives
-  (``minidist.collectives``, ``md.all_to_all``), its experts (``minidist.parallel.experts``), nor
-  ``torch.distributed``.
+  (``minidist.collectives``, ``md.all_to_all``), its experts (``minidist.parallel.experts``), its
+  context parallelism (``minidist.parallel.context``), nor ``torch.distributed``.
 """
 
 from __future__ import annotations

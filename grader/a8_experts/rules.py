@@ -4,7 +4,8 @@ The assignment is to write the all-to-all from point-to-point messages and the e
 layer on it, so the code that already does either is off limits: every function of the library's
 collectives (``minidist.collectives``: ``md.all_to_all`` and the others, with their internals),
 the library's experts (``minidist.parallel.experts``: ``MoELayer``, ``ExpertParallelMoE``, its
-router), and ``torch.distributed`` (its ``all_to_all`` and everything else). ``comm.send``,
+router), the library's context parallelism (``minidist.parallel.context``: Ulysses' exchange is a
+differentiable all-to-all), and ``torch.distributed`` (its ``all_to_all`` and everything else). ``comm.send``,
 ``comm.recv``, ``comm.isend``, ``comm.irecv`` stay allowed, and so do ``torch.autograd.Function``
 and plain torch.
 
@@ -20,6 +21,7 @@ Plain data, read by the intake check (``grader/forbidden.py``) and by the run ti
 FORBIDDEN_MODULES = (
     "minidist.collectives",
     "minidist.parallel.experts",
+    "minidist.parallel.context",  # Ulysses' differentiable all-to-all (context.ulysses.AllToAll)
 )
 
 #: other qualified names that are refused: the library's aliases of the above

@@ -117,13 +117,14 @@ def test_the_byte_checks_want_exactly_the_formula():
         reference.check_equal(spec, 3)(outs)
 
 
-def test_the_intake_refuses_the_librarys_all_to_all_and_experts():
+def test_the_intake_refuses_the_librarys_all_to_all_experts_and_ulysses():
     rules = ASSIGNMENT.forbidden
     for source in (
         "import minidist as md\ndef f(comm, x):\n    return md.all_to_all(comm, x)\n",
         "from minidist.collectives import all_to_all\n",
         "from minidist.parallel.experts import ExpertParallelMoE\n",
         "from minidist.parallel.experts.routing import route\n",
+        "from minidist.parallel.context.ulysses import AllToAll\n",
         "import torch.distributed as dist\n",
         "import torch\nx = torch.ones(2).share_memory_()\n",
     ):
