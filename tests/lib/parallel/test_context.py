@@ -219,7 +219,8 @@ def test_emulated_clock_time_is_at_least_the_alpha_beta_prediction(run):
     """The benchmark's short point (``python -m minidist.bench context``), on 4 ranks: the
     predictions equal the formulas written out again here, and the emulated forward (slowest
     rank) takes at least the predicted time -- the clock only adds (compute waits and link
-    delays cannot be skipped); above it is load, so it is only bounded loosely (3x)."""
+    delays cannot be skipped). How far above is load, not a property: no upper bound here
+    (``python -m minidist.bench context`` prints the ratio)."""
     p, outs = run
     if p != 4:
         pytest.skip("measured on 4 ranks only")
@@ -235,4 +236,4 @@ def test_emulated_clock_time_is_at_least_the_alpha_beta_prediction(run):
     for method, seconds in want.items():
         assert predicted[method] == pytest.approx(seconds)
         emulated = max(o["emulated"][pt.name, method][0] for o in outs)
-        assert 0.95 * seconds <= emulated <= 3 * seconds, (method, emulated, seconds)
+        assert emulated >= 0.95 * seconds, (method, emulated, seconds)
