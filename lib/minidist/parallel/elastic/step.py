@@ -23,6 +23,7 @@ in a recovery round: the next round is a training round at full size.
 ``on_point(point, step)``, if given, is called at named points -- "before_allreduce",
 "mid_allreduce" (after the first gradient send), "after_allreduce", "donor_mid_send" (after the
 length, before the state), "joiner_recovering" -- so a test can SIGKILL a rank exactly there.
+Two more: "after_ask" (asked, the quorum not yet answered) and "after_report" (the commit received).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class FaultTolerant:
 
     def _ask(self) -> dict:
         self._control.send(("ask", self.total_steps))
+        self.on_point("after_ask", self.step)
         quorum = self._control.recv()
         peers = quorum.get("new_peers", [])
         if peers:  # pipes to a replacement (or, for a replacement, to everyone)
@@ -138,6 +140,7 @@ class FaultTolerant:
         held = self._exchange(flat, quorum["members"], step)
         self.on_point("after_allreduce", step)
         contributors = self._report(sorted(held))
+        self.on_point("after_report", step)
         average = average_in_order([held[c] for c in contributors])
         offset = 0
         for p in params:
