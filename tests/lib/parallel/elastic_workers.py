@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
+import time
 
 import torch
 
@@ -38,6 +40,9 @@ class HandAdam:
             mine.copy_(theirs)
 
 
+PAD = 2**18  # a 2 MiB float64 buffer in the state: the recovery blob is over a pipe's 1 MiB
+
+
 def make_model() -> tuple[torch.nn.Module, HandAdam]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
@@ -45,6 +50,7 @@ def make_model() -> tuple[torch.nn.Module, HandAdam]:
         torch.nn.Tanh(),
         torch.nn.Linear(8, 2, dtype=torch.float64),
     )
+    model.register_buffer("pad", torch.zeros(PAD, dtype=torch.float64))  # state, not trained
     return model, HandAdam(model.parameters())
 
 
@@ -56,26 +62,63 @@ def loss_of(model: torch.nn.Module, slot: int, step: int) -> torch.Tensor:
     return torch.nn.functional.mse_loss(model(x), y)
 
 
+def _die(pid_dir: str, slot: int, incarnation: int) -> None:
+    """SIGKILL ourselves, having written the time (CLOCK_MONOTONIC: one clock for every process)."""
+    with open(os.path.join(pid_dir, f"{slot}.{incarnation}.killed"), "w") as f:
+        f.write(repr(time.monotonic()))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _read_part_of_the_state(comm, nbytes: int) -> None:
+    """Read ``nbytes`` raw bytes of what the donor is sending (the length, then the state blob):
+    the donor has then certainly begun writing the blob, which is larger than the pipe's buffer."""
+    fds = [conn.fileno() for conn in comm._readers.values()]
+    got = 0
+    while got < nbytes:
+        ready, _, _ = select.select(fds, [], [], 30)
+        if not ready:
+            return
+        got += len(os.read(ready[0], nbytes - got))
+
+
 def elastic_worker(comm, total_steps: int, kills: dict, pid_dir: str):
-    """Train; SIGKILL ourselves where ``kills[(slot, incarnation)] == (point, step)``."""
+    """Train; SIGKILL ourselves where ``kills[(slot, incarnation)] == (point, step)``.
+
+    Besides the library's points: "startup" (before the first ask) and "joiner_mid_recv" (at
+    "joiner_recovering", after reading 256 KiB of the donor's state). Each commit's arrival time
+    is appended to ``pid_dir/<slot>.<incarnation>.commits`` (for the detection time)."""
     slot, incarnation = elastic.identity()
     with open(os.path.join(pid_dir, f"{slot}.{incarnation}.pid"), "w") as f:
         f.write(str(os.getpid()))
+    point_to_die, step_to_die = kills.get((slot, incarnation), ("", -1))  # None: AttributeError
+    if point_to_die == "startup":
+        _die(pid_dir, slot, incarnation)
     model, optimizer = make_model()
+    commits = open(os.path.join(pid_dir, f"{slot}.{incarnation}.commits"), "a")
 
     def on_point(point: str, step: int) -> None:
-        if kills.get((slot, incarnation)) == (point, step):
-            os.kill(os.getpid(), signal.SIGKILL)
+        if point == "after_report":
+            commits.write(f"{step} {time.monotonic()!r}\n")
+            commits.flush()
+        if step != step_to_die:
+            return
+        if point == "joiner_recovering" and point_to_die == "joiner_mid_recv":
+            _read_part_of_the_state(comm, 256 * 1024)
+            _die(pid_dir, slot, incarnation)
+        if point == point_to_die:
+            _die(pid_dir, slot, incarnation)
 
     ft = elastic.FaultTolerant(comm, model, optimizer, total_steps, on_point=on_point)
     while ft.step < total_steps:
         ft.train_step(lambda step: loss_of(model, slot, step))
+    commits.close()
     return {
         "incarnation": incarnation,
         "history": ft.history,
         "params": [p.detach().clone() for p in model.parameters()],
         "optimizer": optimizer.state_dict(),
         "recoveries": ft.recoveries,
+        "recovered_bytes": ft.recovered_bytes,
     }
 
 

@@ -1,16 +1,24 @@
 """Elastic data parallelism: ranks SIGKILLed at every point of the step, replacements recovered
 from a healthy peer, and the result bit-for-bit a one-process replay of the membership history.
 
-One launch (4 slots, 10 steps, Policy(min_size=2, max_restarts=3)) kills five ranks:
+One launch (4 slots, 12 steps, Policy(min_size=2, max_restarts=7)) kills nine processes
+(slot.incarnation; incarnation 0 started with the launch, k its k-th replacement):
 
-    step 2  slot 1     in the middle of the gradient exchange (after its first send) -> replaced
-    step 3  slot 0     as the donor, in the middle of sending the state to slot 1's replacement
-    step 3  slot 0'    (0's replacement) while it is being recovered       -> replaced again
-    step 5  slot 3     after the exchange (its gradient reached everyone): no restarts left
-    step 7  slot 2     before the exchange: training ends at 2 = min_size
+    step 2  1.0  in the middle of the gradient exchange (after its first send)    -> replaced
+    step 3  0.0  as the donor, in the middle of sending the state to 1.1          -> replaced
+            0.1  while it is being recovered                                      -> replaced
+    step 4  3.0  after its report, before the commit: it counts                   -> replaced
+            3.1  at startup, before its first ask (the quorum waits for it)       -> replaced
+    step 5  3.2  part-way through receiving the 2 MiB state (the donor's write breaks) -> replaced
+    step 6  3.3  after the exchange (its gradient reached everyone)     -> replaced (the last)
+    step 8  2.0  after asking, before the quorum's answer: no restarts left
+    step 9  3.4  before the exchange: training ends at 2 = min_size
 
 The expected history is derived by hand from those rules in ``EXPECTED``; detection "within
-the step" means exactly that the history changes at the step of each death.
+the step" means exactly that the history changes at the step of each death (and that the commit
+of that step reaches the survivors after the death: ``test_a_death_is_detected_within_its_step``).
+The kill "after_ask" is put where no restart is left: a replacement would join at that step or
+the next depending on whether the coordinator saw the ask or the death first (a race).
 """
 
 from __future__ import annotations
@@ -27,16 +35,20 @@ from minidist.parallel import elastic
 
 pytestmark = pytest.mark.timeout(120)
 
-STEPS = 10
+STEPS = 12
 KILLS = {
     (1, 0): ("mid_allreduce", 2),
     (0, 0): ("donor_mid_send", 3),
     (0, 1): ("joiner_recovering", 3),
-    (3, 0): ("after_allreduce", 5),
-    (2, 0): ("before_allreduce", 7),
+    (3, 0): ("after_report", 4),
+    (3, 1): ("startup", -1),
+    (3, 2): ("joiner_mid_recv", 5),
+    (3, 3): ("after_allreduce", 6),
+    (2, 0): ("after_ask", 8),
+    (3, 4): ("before_allreduce", 9),
 }
 ALL = [0, 1, 2, 3]
-EXPECTED = [ALL, ALL, [0, 2, 3], ALL, ALL, ALL, [0, 1, 2], [0, 1], [0, 1], [0, 1]]
+EXPECTED = [ALL, ALL, [0, 2, 3], ALL, ALL, ALL, ALL, ALL, [0, 1, 3], [0, 1], [0, 1], [0, 1]]
 
 
 @pytest.fixture(scope="module")
@@ -48,28 +60,13 @@ def run(tmp_path_factory):
         args=(STEPS, KILLS, pid_dir),
         transport="pipe",
         timeout=60,
-        elastic=elastic.Policy(min_size=2, max_restarts=3),
+        elastic=elastic.Policy(min_size=2, max_restarts=7),
     )
     return outs, pid_dir
 
 
 def replay(history):
-    """One process: at each step, the contributors' gradients added in slot order, / count."""
-    model, optimizer = ew.make_model()
-    params = list(model.parameters())
-    for step, contributors in enumerate(history):
-        grads = []
-        for slot in contributors:
-            model.zero_grad()
-            ew.loss_of(model, slot, step).backward()
-            grads.append([p.grad.clone() for p in params])
-        for i, p in enumerate(params):
-            total = grads[0][i].clone()
-            for g in grads[1:]:
-                total = total + g[i]
-            p.grad = total / len(contributors)
-        optimizer.step()
-    return model, optimizer
+    return elastic.replay(history, ew.make_model, ew.loss_of)
 
 
 def test_history_follows_the_deaths_and_the_joins(run):
@@ -78,8 +75,10 @@ def test_history_follows_the_deaths_and_the_joins(run):
     assert outs[2] is None and outs[3] is None  # died after the restarts were spent
     for out in outs[:2]:
         assert out["history"] == EXPECTED
-    # recovery rounds at step 3: donor 0 died, then 0' died while recovering, then 0'' recovered
-    assert outs[1]["recoveries"] == 3 and outs[0]["recoveries"] == 1
+    # recovery rounds: step 3: donor 0.0 died, 0.1 died recovering, 0.2 recovered (1.1: 3,
+    # 0.2: 1); step 5: 3.2 died receiving, 3.3 recovered; step 7: 3.4 recovered (3 more each)
+    assert outs[1]["recoveries"] == 6 and outs[0]["recoveries"] == 4
+    assert outs[0]["recovered_bytes"] > 2 * 8 * ew.PAD // 2  # the state: over a 1 MiB pipe buffer
 
 
 def test_survivors_equal_a_replay_of_the_history_bit_for_bit(run):
@@ -105,12 +104,36 @@ def test_replay_tells_the_scaling_apart(run):
 
 def test_no_process_is_left(run):
     _, pid_dir = run
-    names = sorted(os.listdir(pid_dir))
-    assert names == ["0.0.pid", "0.1.pid", "0.2.pid", "1.0.pid", "1.1.pid", "2.0.pid", "3.0.pid"]
+    names = sorted(n for n in os.listdir(pid_dir) if n.endswith(".pid"))
+    assert names == [f"{slot}.{i}.pid" for slot, last in enumerate((2, 1, 0, 4)) for i in range(last + 1)]
     for name in names:
         pid = int(open(os.path.join(pid_dir, name)).read())
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_death_is_detected_within_its_step(run):
+    """Each death in a training round before its report: every survivor's commit of that step
+    (whose history entry is checked above) arrives after the kill -- the step waited for the
+    death, no longer. The seconds from the SIGKILL to each survivor's commit are printed (-s):
+    a measurement, not a bound (it depends on the load)."""
+    _, pid_dir = run
+    commits = {}  # (slot, incarnation) -> {step: when its commit arrived}
+    for name in os.listdir(pid_dir):
+        if name.endswith(".commits"):
+            slot, inc = map(int, name.split(".")[:2])
+            words = open(os.path.join(pid_dir, name)).read().split()
+            commits[(slot, inc)] = {int(a): float(b) for a, b in zip(words[::2], words[1::2])}
+    seen = []
+    for (slot, inc), (point, step) in KILLS.items():
+        killed = float(open(os.path.join(pid_dir, f"{slot}.{inc}.killed")).read())
+        if point not in ("after_ask", "before_allreduce", "mid_allreduce", "after_allreduce"):
+            continue  # a recovery round commits no step; after_report: the commit may come first
+        survivors = [t[step] for who, t in commits.items() if who != (slot, inc) and step in t]
+        assert len(survivors) == len(EXPECTED[step]) - (slot in EXPECTED[step])
+        assert all(t > killed for t in survivors)
+        seen += [t - killed for t in survivors]
+    print(f"SIGKILL -> survivors' commit: {len(seen)} in {min(seen) * 1e3:.1f}-{max(seen) * 1e3:.1f} ms")
 
 
 def test_below_min_size_fails_cleanly(tmp_path):
@@ -120,7 +143,7 @@ def test_below_min_size_fails_cleanly(tmp_path):
             ew.elastic_worker, world_size=2, args=(4, kills, str(tmp_path)), transport="pipe",
             timeout=60, elastic=elastic.Policy(min_size=2),
         )  # fmt: skip
-    for name in os.listdir(tmp_path):
+    for name in (n for n in os.listdir(tmp_path) if n.endswith(".pid")):
         with pytest.raises(ProcessLookupError):
             os.kill(int(open(tmp_path / name).read()), 0)
 
