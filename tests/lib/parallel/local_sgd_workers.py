@@ -25,7 +25,7 @@ IN, HIDDEN, OUT, BATCH, SEED = 6, 8, 3, 4, 77
 
 def case(**overrides) -> dict:
     base = dict(inner="adamw", inner_lr=0.05, H=3, outer_lr=0.7, mu=0.9, fragments=1, delay=0, mix=0.0,
-                quantize=None, steps=9, local_sgd=False)  # fmt: skip
+                quantize=None, steps=9, local_sgd=False, seams=False)  # fmt: skip
     return {**base, **overrides}
 
 
@@ -35,6 +35,10 @@ CASES = {
     "local_sgd": case(H=2, steps=6, local_sgd=True),
     "streaming": case(H=4, fragments=2, delay=1, mix=0.5, steps=11),
     "streaming_now": case(H=4, fragments=2, steps=8),
+    # 3 fragments in flight at once (F tau > H), 3 still pending at the end (flush), int8 slices
+    "streaming_deep": case(H=4, fragments=4, delay=3, mix=0.5, quantize="int8", steps=10),
+    # the seams: a plain SGD outer step (momentum ignored) and every fragment launched every H steps
+    "seams": case(H=3, fragments=3, steps=6, seams=True),
     "int8": case(quantize="int8", steps=6),
     "nf4": case(quantize="nf4", steps=6),
     **{f"H{h}": case(inner="sgd", H=h, steps=16) for h in (1, 4, 16)},
@@ -67,6 +71,16 @@ def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
+def sgd_outer_step(global_params, momentum, delta, lr, mu) -> None:
+    """A student's outer step, for the seam: plain SGD, no momentum."""
+    global_params.sub_(delta, alpha=lr)
+
+
+def all_at_once(t: int, inner_steps: int, fragments: int) -> list[int]:
+    """A schedule for the seam: every fragment after every H-th step (DiLoCo, cut in pieces)."""
+    return list(range(fragments)) if t % inner_steps == 0 else []
+
+
 def run_case(comm, c: dict) -> dict:
     """Train one case on this rank: final parameters, the schedule's counters, bytes per step."""
     model = make_model(SEED + 1000 * comm.rank)
@@ -74,17 +88,20 @@ def run_case(comm, c: dict) -> dict:
     if c["local_sgd"]:
         trainer = local_sgd.LocalSGD(model, comm, opt, c["H"])
     else:
+        seams = dict(outer_step=sgd_outer_step, schedule=all_at_once) if c["seams"] else {}
         trainer = local_sgd.DiLoCo(model, comm, opt, c["H"], c["outer_lr"], c["mu"], c["fragments"],
-                                   c["quantize"], delay=c["delay"], mix=c["mix"])  # fmt: skip
+                                   c["quantize"], delay=c["delay"], mix=c["mix"], **seams)  # fmt: skip
     xs, ys = batches(comm.world_size, c["steps"])
-    sent = []
+    sent, in_flight = [], []
     for t in range(c["steps"]):
         before = comm.stats.bytes_sent
         trainer.step(loss_fn, (xs[t, comm.rank], ys[t, comm.rank]))
         sent.append(comm.stats.bytes_sent - before)
+        in_flight.append(len(trainer._in_flight))
     trainer.flush()
     return dict(params=flat(model), global_params=trainer.global_params.clone(), sent=sent,
-                launched=trainer.launched, applied=trainer.applied, bounds=trainer.bounds)  # fmt: skip
+                launched=trainer.launched, applied=trainer.applied, bounds=trainer.bounds,
+                in_flight=in_flight)  # fmt: skip
 
 
 def run_ddp_sgd(comm, c: dict) -> torch.Tensor:

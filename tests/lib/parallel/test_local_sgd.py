@@ -39,7 +39,7 @@ def test_h1_sgd_outer_lr1_no_momentum_equals_ddp_with_sgd(run):
         close(out["ddp_equal"]["params"], want)
 
 
-@pytest.mark.parametrize("name", ["diloco", "streaming", "streaming_now", "int8", "nf4"])
+@pytest.mark.parametrize("name", ["diloco", "streaming", "streaming_now", "streaming_deep", "int8", "nf4"])
 def test_every_rank_equals_the_one_process_reference(run, name):
     p, outs = run
     want = w.simulate(w.CASES[name], p)
@@ -48,6 +48,40 @@ def test_every_rank_equals_the_one_process_reference(run, name):
         close(out[name]["params"], want["params"][rank])
     # the replicated state is bitwise equal across ranks (same average, same arithmetic)
     assert all(torch.equal(o[name]["global_params"], outs[0][name]["global_params"]) for o in outs)
+
+
+def test_several_fragments_in_flight_and_pending_at_the_end(run):
+    """streaming_deep (H 4, F 4, tau 3: offsets 1, 2, 3, 4, so one launch after every step, each
+    applied 3 steps later) exercises what the reference comparison above relies on: 3 exchanges in
+    flight at once from step 3 on, and 3 (launched after steps 8, 9, 10) pending at the end (flush)."""
+    c = w.CASES["streaming_deep"]
+    assert c["fragments"] * c["delay"] > c["H"]
+    for out in run[1]:
+        assert out["streaming_deep"]["in_flight"] == [1, 2, 3, 3, 3, 3, 3, 3, 3, 3]
+
+
+def test_the_outer_step_and_schedule_seams_are_used(run):
+    """DiLoCo(outer_step=plain SGD, schedule=every fragment every H steps) at momentum 0.9 equals the
+    reference of one fragment and momentum 0 (the defaults would give Nesterov, staggered)."""
+    p, outs = run
+    want = w.simulate(w.case(H=3, fragments=1, mu=0.0, steps=6), p)
+    for rank, out in enumerate(outs):
+        close(out["seams"]["global_params"], want["global_params"])
+        close(out["seams"]["params"], want["params"][rank])
+        assert out["seams"]["launched"] == [[3, 6]] * 3
+
+
+def test_time_to_target_by_hand():
+    """Curve reaches 3.0 at step 20; compute 0.1 s a step, one sync of the model 1.0 s."""
+    curve = [(0, 5.0), (10, 4.0), (20, 3.0), (30, 2.5)]
+    assert local_sgd.steps_to_target(curve, 3.0) == 20
+    assert local_sgd.time_to_target(curve, 3.0, 0.1, 1.0) == pytest.approx(20 * 0.1 + 20 * 1.0)  # DDP
+    assert local_sgd.time_to_target(curve, 3.0, 0.1, 1.0, inner_steps=10) == pytest.approx(2 + 2 * 1.0)
+    # Streaming H 10, F 2, tau 2: launches after 5, 10, 15, 20; each waits 1.0 / 2 - 2 x 0.1 = 0.3
+    assert local_sgd.time_to_target(curve, 3.0, 0.1, 1.0, 10, 2, 2) == pytest.approx(2 + 4 * 0.3)
+    assert local_sgd.time_to_target(curve, 3.0, 0.1, 1.0, 10, 2, 5) == pytest.approx(2.0)  # all hidden
+    assert local_sgd.time_to_target(curve, 2.0, 0.1, 1.0) is None  # never reached
+    assert local_sgd.step_compute_s(1000, 10, 6e4) == pytest.approx(1.0)  # 6 N T / rate
 
 
 def test_local_sgd_replaces_the_parameters_by_their_average(run):
@@ -60,7 +94,7 @@ def test_local_sgd_replaces_the_parameters_by_their_average(run):
 
 def test_each_fragment_syncs_at_its_steps_and_nowhere_else(run):
     p, outs = run
-    for name in ("streaming", "streaming_now"):
+    for name in ("streaming", "streaming_now", "streaming_deep"):
         c = w.CASES[name]
         H, F = c["H"], c["fragments"]
         for out in outs:

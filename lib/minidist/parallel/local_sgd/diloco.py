@@ -61,6 +61,12 @@ class DiLoCo:
     ``model``'s trainable parameters must be fp32 (the outer state is kept in fp32 beside them).
     Counters for tests and notebooks: ``inner_step`` (steps taken), ``launched[f]`` (the inner
     steps after which fragment f was launched), ``applied[f]`` (after which it was applied).
+
+    Two seams, for exercises: ``outer_step(global_slice, momentum_slice, averaged, lr, mu)``
+    updates a fragment's slices in place (default ``outer.nesterov_outer_step_``), and
+    ``schedule(t, H, F) -> [fragments launched after step t]`` (default
+    ``schedule.fragments_due``); a schedule must not launch a fragment again before its previous
+    launch is applied (``delay`` steps later).
     """
 
     def __init__(
@@ -76,6 +82,8 @@ class DiLoCo:
         *,
         delay: int = 0,
         mix: float = 0.0,
+        outer_step: Callable[..., None] = nesterov_outer_step_,
+        schedule: Callable[[int, int, int], list[int]] = fragments_due,
     ) -> None:
         if inner_steps < 1:
             raise ValueError(f"inner_steps must be >= 1 (H inner steps per outer step), got {inner_steps}")
@@ -95,6 +103,7 @@ class DiLoCo:
         self.model, self.comm, self.inner_optimizer = model, comm, inner_optimizer
         self.inner_steps, self.fragments, self.quantize = inner_steps, fragments, quantize
         self.outer_lr, self.outer_momentum, self.delay, self.mix = outer_lr, outer_momentum, delay, mix
+        self.outer_step, self.schedule = outer_step, schedule
         start = self._local_flat()
         broadcast(comm, start, src=0)  # every worker starts from rank 0's parameters
         self._write(start, 0, start.numel())
@@ -134,7 +143,7 @@ class DiLoCo:
         t = self.inner_step
         for item in [x for x in self._in_flight if x.apply_after == t]:
             self._apply(item)
-        for f in fragments_due(t, self.inner_steps, self.fragments):
+        for f in self.schedule(t, self.inner_steps, self.fragments):
             self._launch(f)
         return loss.detach()
 
@@ -151,7 +160,7 @@ class DiLoCo:
         self._in_flight.remove(item)
         lo, hi = self.bounds[item.fragment]
         averaged = item.exchange.wait()
-        nesterov_outer_step_(
+        self.outer_step(
             self.global_params[lo:hi], self.momentum[lo:hi], averaged, self.outer_lr, self.outer_momentum
         )
         merged = self.global_params[lo:hi]

@@ -44,8 +44,8 @@ QUANTIZE = (None, "int8", "nf4")
 
 
 def payload_bytes(numel: int, quantize: str | None) -> int:
-    """Bytes one rank contributes for a delta of ``numel`` values: 4n, n + 4 ceil(n/B), or
-    B/2 ceil(n/B) + 4 ceil(n/B) (nf4 pads to whole blocks)."""
+    """Bytes one rank contributes for a delta of ``numel`` values: 4n (fp32), B ceil(n/B) + 4 ceil(n/B)
+    (int8), or B/2 ceil(n/B) + 4 ceil(n/B) (nf4): both pad the last block to B values."""
     blocks = math.ceil(numel / BLOCK)
     if quantize is None:
         return 4 * numel
