@@ -43,7 +43,7 @@ class Weight(torch.nn.Module):
 
 
 def latest(folder: str) -> int:
-    done = [int(n.split("-")[1]) for n in os.listdir(folder) if n.startswith("ckpt-")]
+    done = [int(n[5:]) for n in os.listdir(folder) if n.startswith("ckpt-") and n[5:].isdigit()]
     done = [s for s in done if os.path.exists(os.path.join(folder, f"ckpt-{s}", checkpoint.METADATA))]
     return max(done, default=0)
 
