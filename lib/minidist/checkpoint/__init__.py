@@ -41,13 +41,25 @@ tensors: every rank reads all of them), no communication.
 ``save(..., async_save=True)`` copies the parts (a snapshot: training may change the parameters
 right after) and writes them on a background thread while training continues;
 ``handle.wait()`` finishes the save (it is collective: after a barrier rank 0 writes
-metadata.json, so a directory without metadata.json is a save that did not finish).
+metadata.json, so a directory without metadata.json is a save that did not finish). A rank
+must wait() before its next save (``save`` raises otherwise).
+
+One directory per checkpoint (``f"ckpt/step{step:06d}"``): ``save`` refuses a directory that
+already holds a metadata.json. With ``overwrite=True`` it replaces that checkpoint without ever
+leaving the directory without a loadable one: the new files get new names
+(``rank00000.g1.safetensors``, generation 1, 2, ...), metadata.json is replaced atomically
+(``os.replace``) once every new file is on disk, and only then are the files it no longer names
+deleted (also those of an earlier save at a larger world size). A death during the save leaves
+the old metadata.json and its files untouched. (Why not write a temporary directory and rename
+it into place: rename(2) cannot replace a non-empty directory, so the swap would take two
+renames and a moment with no checkpoint at ``path``.)
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 
 import torch
@@ -74,11 +86,15 @@ def _allgather_json(comm: Communicator, obj) -> list:
     return [json.loads(bytes(rows[r, :n].tolist()).decode()) for r, n in enumerate(lengths)]
 
 
-def _file(rank: int) -> str:
-    return f"rank{rank:05d}.safetensors"
+def _file(rank: int, generation: int = 0) -> str:
+    return f"rank{rank:05d}.safetensors" if generation == 0 else f"rank{rank:05d}.g{generation}.safetensors"
 
 
-def _metadata(parts: list[list], lay: Layout, world: int) -> tuple[dict, list[set]]:
+_RANK_FILE = re.compile(r"rank\d{5}(\.g\d+)?\.safetensors")
+_UNWAITED: dict[int, SaveHandle] = {}  # id(comm) -> this rank's async save that was not waited yet
+
+
+def _metadata(parts: list[list], lay: Layout, world: int, generation: int = 0) -> tuple[dict, list[set]]:
     """metadata.json from every rank's parts; and, per rank, the names it writes (the first holder)."""
     tensors, writes, seen = {}, [set() for _ in parts], set()
     for rank, rank_parts in enumerate(parts):
@@ -94,8 +110,8 @@ def _metadata(parts: list[list], lay: Layout, world: int) -> tuple[dict, list[se
             if key not in seen:
                 seen.add(key)
                 writes[rank].add(name)
-                entry["pieces"].append({"file": _file(rank), "key": name, **region})
-    meta = {"format": FORMAT, "world_size": world, "tensors": tensors}
+                entry["pieces"].append({"file": _file(rank, generation), "key": name, **region})
+    meta = {"format": FORMAT, "world_size": world, "generation": generation, "tensors": tensors}
     return meta | {"flat_groups": lay.groups, "optimizers": lay.optimizers}, writes
 
 
@@ -116,7 +132,7 @@ class SaveHandle:
     def _write(self) -> None:
         try:
             if self.snapshot:
-                file = os.path.join(self.path, _file(self.comm.rank))
+                file = os.path.join(self.path, _file(self.comm.rank, self.meta["generation"]))
                 save_file(self.snapshot, file)
                 _fsync(file)  # on the disk, not only in the page cache, before metadata.json says so
         except BaseException as error:  # raised again by wait(), on the caller's thread
@@ -125,6 +141,8 @@ class SaveHandle:
     def wait(self) -> None:
         if self.done:
             return
+        if _UNWAITED.get(id(self.comm)) is self:
+            del _UNWAITED[id(self.comm)]
         if self.thread:
             self.thread.join()
         if self.error is not None:
@@ -138,6 +156,10 @@ class SaveHandle:
                 json.dump(self.meta, f, indent=1)
             _fsync(tmp)
             os.replace(tmp, os.path.join(self.path, METADATA))  # atomic: the save exists now
+            named = {p["file"] for t in self.meta["tensors"].values() for p in t["pieces"]}
+            for name in os.listdir(self.path):  # an older generation's files, or a larger world's
+                if _RANK_FILE.fullmatch(name) and name not in named:
+                    os.remove(os.path.join(self.path, name))
         self.comm.barrier()  # nobody returns (and loads) before metadata.json exists
         self.snapshot, self.done = {}, True
 
@@ -161,25 +183,45 @@ def _snapshot(tensors: dict[str, torch.Tensor], copy_all: bool) -> dict[str, tor
     return out
 
 
-def save(path: str, obj, comm: Communicator, *, async_save: bool = False) -> SaveHandle:
+def save(
+    path: str, obj, comm: Communicator, *, async_save: bool = False, overwrite: bool = False
+) -> SaveHandle:
     """Save what this rank holds of ``obj`` into the directory ``path`` (every rank calls it).
 
     ``obj``: an ``nn.Module`` (plain, tensor-parallel or ``FullyShardedModule``), a
     ``ZeroOptimizer``, a tensor, or a dict of those (names get the key as prefix).
     Returns a ``SaveHandle``; with ``async_save=False`` it is finished already, with
     ``async_save=True`` the caller must ``wait()`` on it (every rank) before the next save.
+    A ``path`` that holds a checkpoint is refused unless ``overwrite`` (see the module).
     """
+    pending = _UNWAITED.get(id(comm))
+    if pending is not None:
+        raise RuntimeError(
+            f"checkpoint.save: this rank's previous async save (to {pending.path!r}) was not waited "
+            "on: call handle.wait() on every rank before the next save"
+        )
+    meta_file = os.path.join(path, METADATA)
+    generation = 0
+    if os.path.exists(meta_file):
+        if not overwrite:
+            raise FileExistsError(
+                f"checkpoint.save: {path} already holds a checkpoint ({METADATA}): save each step "
+                "into a directory of its own (e.g. f'ckpt/step{step:06d}'), or pass overwrite=True "
+                "to replace it (the old one stays loadable until the new one is complete)"
+            )
+        with open(meta_file) as f:  # read by every rank before the allgather below; replaced after
+            generation = json.load(f).get("generation", 0) + 1
     os.makedirs(path, exist_ok=True)
-    if comm.rank == 0 and os.path.exists(os.path.join(path, METADATA)):
-        os.remove(os.path.join(path, METADATA))  # the old save is invalid from here on
     lay = layout(obj)
     mine = [[s.name, list(s.shape), _dtype(s.dtype), s.region.to_json()] for s in lay.slots]
-    meta, writes = _metadata(_allgather_json(comm, mine), lay, comm.world_size)
+    meta, writes = _metadata(_allgather_json(comm, mine), lay, comm.world_size, generation)
     snapshot = _snapshot(
         {s.name: s.tensor.detach() for s in lay.slots if s.name in writes[comm.rank]}, async_save
     )
     handle = SaveHandle(path, comm, meta, snapshot, background=async_save)
-    if not async_save:
+    if async_save:
+        _UNWAITED[id(comm)] = handle
+    else:
         handle.wait()
     return handle
 

@@ -43,7 +43,13 @@ class Reader:
     def _read(self, piece: dict, index: tuple[slice, ...]) -> torch.Tensor:
         name = piece["file"]
         if name not in self.files:
-            self.files[name] = safe_open(os.path.join(self.directory, name), framework="pt")
+            file = os.path.join(self.directory, name)
+            if not os.path.exists(file):
+                raise FileNotFoundError(
+                    f"checkpoint: {file} is listed in metadata.json but missing: copy the whole "
+                    "checkpoint directory (every rank's file), or load another checkpoint"
+                )
+            self.files[name] = safe_open(file, framework="pt")
         handle = self.files[name]
         t = handle.get_slice(piece["key"])[index] if index else handle.get_tensor(piece["key"])
         self.bytes_read += t.numel() * t.element_size()
@@ -54,27 +60,28 @@ class Reader:
         if not entry["shape"]:  # a scalar (an optimizer's step): saved whole
             out.copy_(self._read(entry["pieces"][0], ()))
             return
-        filled = (
+        filled, needed = (
             self._fill_box(entry, region, out)
             if isinstance(region, Box)
             else self._fill_flat(entry, region, out)
         )
-        if filled != out.numel():
+        if filled != needed:  # a gap in the pieces: ``out`` would keep what it held before
             raise ValueError(
-                f"checkpoint: tensor {name!r} region {region} is covered by {filled} of {out.numel()} saved "
+                f"checkpoint: tensor {name!r} region {region} is covered by {filled} of {needed} saved "
                 "elements: a rank's file is missing or metadata.json is from another save"
             )
 
-    def _fill_box(self, entry: dict, box: Box, out: torch.Tensor) -> int:
+    def _fill_box(self, entry: dict, box: Box, out: torch.Tensor) -> tuple[int, int]:
+        """Copy the saved pieces' intersections with ``box`` into ``out``; (elements filled, needed)."""
         pieces = [(p, region_from_json(p)) for p in entry["pieces"]]
         if any(isinstance(r, Flat) for _, r in pieces):  # saved flat: assemble whole rows, then cut
             shape = entry["shape"]
             row, r0 = math.prod(shape[1:]), box.offsets[0]
             rows = torch.empty((box.sizes[0], *shape[1:]), dtype=out.dtype)
-            self._fill_flat(entry, Flat(r0 * row, (r0 + box.sizes[0]) * row), rows.view(-1))
+            covered = self._fill_flat(entry, Flat(r0 * row, (r0 + box.sizes[0]) * row), rows.view(-1))
             cut = (slice(None),) + tuple(slice(o, o + s) for o, s in zip(box.offsets[1:], box.sizes[1:]))
             out.copy_(rows[cut])
-            return out.numel()
+            return covered  # of the rows assembled: all of them, or the check fails
         count = 0
         for piece, saved in pieces:
             lo = [max(a, b) for a, b in zip(box.offsets, saved.offsets)]
@@ -85,18 +92,19 @@ class Reader:
             dst = tuple(slice(low - o, high - o) for low, high, o in zip(lo, hi, box.offsets))
             out[dst].copy_(self._read(piece, src))
             count += math.prod(high - low for low, high in zip(lo, hi))
-        return count
+        return count, out.numel()
 
-    def _fill_flat(self, entry: dict, want: Flat, out: torch.Tensor) -> int:
+    def _fill_flat(self, entry: dict, want: Flat, out: torch.Tensor) -> tuple[int, int]:
+        """Copy the saved pieces' intersections with ``want`` into ``out``; (elements filled, needed)."""
         pieces = [(p, region_from_json(p)) for p in entry["pieces"]]
         if any(isinstance(r, Box) for _, r in pieces):  # saved as blocks: the rows that hold [start, stop)
             shape = entry["shape"]
             row = math.prod(shape[1:])
             r0, r1 = want.start // row, -(-want.stop // row)
             rows = torch.empty((r1 - r0, *shape[1:]), dtype=out.dtype)
-            self._fill_box(entry, Box((r0,) + (0,) * (len(shape) - 1), (r1 - r0, *shape[1:])), rows)
+            covered = self._fill_box(entry, Box((r0,) + (0,) * (len(shape) - 1), (r1 - r0, *shape[1:])), rows)
             out.copy_(rows.view(-1)[want.start - r0 * row : want.stop - r0 * row])
-            return out.numel()
+            return covered  # of the rows assembled: all of them, or the check fails
         count = 0
         for piece, saved in pieces:
             a, b = max(want.start, saved.start), min(want.stop, saved.stop)
@@ -105,4 +113,4 @@ class Reader:
                     self._read(piece, (slice(a - saved.start, b - saved.start),))
                 )
                 count += b - a
-        return count
+        return count, out.numel()

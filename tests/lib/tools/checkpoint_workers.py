@@ -7,7 +7,9 @@ decoder (heads, vocabulary and ffn divisible by 2, 3 and 4) built from a dense o
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import threading
 
 import torch
@@ -229,4 +231,61 @@ def async_and_errors(comm, path: str, ref: dict) -> dict:
         out["missing"] = None
     except FileNotFoundError as error:
         out["missing"] = str(error)
+    return out | missing_piece(comm, path) | overwrite_and_unwaited(comm, path)
+
+
+def _error(fn) -> str | None:
+    """The message of what ``fn()`` raises (its type first), or None if it returns."""
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001 (the test reads the type and message)
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def missing_piece(comm, path: str) -> dict:
+    """A copy of the tensor-parallel save without rank 1's file, loaded into ZeRO-3 (blocks in,
+    flat out): first with metadata.json intact (the file is missing), then with rank 1's pieces
+    dropped from it too (a gap in the coverage, which the cross-form load must not fill with garbage)."""
+    copy = os.path.join(path, "missing-piece")
+    shutil.copytree(os.path.join(path, "sync"), copy)
+    os.remove(os.path.join(copy, "rank00001.safetensors"))
+    into = lambda: checkpoint.load(copy, {"tp": FullyShardedModule(dense(seed=4), comm)}, comm, strict=False)  # noqa: E731
+    out = {"missing_file": _error(into)}
+    with open(os.path.join(copy, "metadata.json")) as f:
+        meta = json.load(f)
+    for entry in meta["tensors"].values():
+        entry["pieces"] = [p for p in entry["pieces"] if p["file"] != "rank00001.safetensors"]
+    with open(os.path.join(copy, "metadata.json"), "w") as f:
+        json.dump(meta, f)
+    out["missing_piece"] = _error(into)
+    return out
+
+
+def overwrite_and_unwaited(comm, path: str) -> dict:
+    """save() into a directory that holds a checkpoint: refused, then overwrite=True with a write
+    that fails (the old checkpoint must still load), then one that succeeds (the new one loads,
+    the old files are gone); and a save while an async save was not waited on."""
+    where, out = os.path.join(path, "overwrite"), {}
+    checkpoint.save(where, small(0), comm)
+    out["exists"] = _error(lambda: checkpoint.save(where, small(8), comm))
+    write = checkpoint.save_file
+
+    def dies(tensors, file):
+        raise OSError("disk gone")
+
+    checkpoint.save_file = dies
+    out["dies"] = _error(lambda: checkpoint.save(where, small(8), comm, overwrite=True))
+    checkpoint.save_file = write
+    loaded = small(9)
+    checkpoint.load(where, loaded, comm)
+    out["after_death"] = equal(loaded.state_dict(), small(0).state_dict())
+    checkpoint.save(where, small(8), comm, overwrite=True)
+    checkpoint.load(where, loaded, comm)
+    out["overwritten"] = equal(loaded.state_dict(), small(8).state_dict())
+    out["files"] = sorted(os.listdir(where))
+    handle = checkpoint.save(os.path.join(path, "a1"), small(0), comm, async_save=True)
+    out["unwaited"] = _error(lambda: checkpoint.save(os.path.join(path, "a2"), small(0), comm))
+    handle.wait()
+    out["after_wait"] = _error(lambda: checkpoint.save(os.path.join(path, "a2"), small(0), comm))
     return out

@@ -101,6 +101,28 @@ def test_a_mismatched_model_is_refused_naming_the_tensor_and_shapes(loaded):
     assert "metadata.json" in loaded[1][0]["missing"]
 
 
+def test_a_missing_piece_is_an_error_not_garbage(loaded):
+    """The TP save without rank 1's file, loaded into ZeRO-3 (the cross-form path)."""
+    result = loaded[1][0]
+    assert result["missing_file"].startswith("FileNotFoundError") and "rank00001" in result["missing_file"]
+    assert result["missing_piece"].startswith("ValueError") and "is covered by" in result["missing_piece"]
+
+
+def test_save_refuses_to_overwrite_and_overwrite_keeps_the_old_until_done(loaded):
+    result = loaded[1][0]
+    assert result["exists"].startswith("FileExistsError") and "overwrite=True" in result["exists"]
+    assert "could not write" in result["dies"]
+    assert result["after_death"] == []  # the old checkpoint still loads, bit-equal
+    assert result["overwritten"] == []  # and then the new one
+    assert result["files"] == ["metadata.json", "rank00000.g1.safetensors"]  # the dead save wrote none
+
+
+def test_a_save_before_waiting_on_the_async_one_is_refused(loaded):
+    result = loaded[1][0]
+    assert result["unwaited"].startswith("RuntimeError") and "handle.wait()" in result["unwaited"]
+    assert result["after_wait"] is None
+
+
 def test_beside_torch_distributed_checkpoint(tmp_path):
     """The benchmark's launch (2 ranks, gloo): the same decoder saved by ours and by DCP, each
     loaded into zeros by its own side; the worker raises unless every tensor is torch.equal to
