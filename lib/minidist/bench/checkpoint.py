@@ -22,10 +22,16 @@ in-place update of every parameter (what the snapshot must not see):
                  the background thread writes, then handle.wait() (a barrier; metadata.json)
     ratio        each time / "no save": the step-time cost of taking the checkpoint
 
+Then sharded state, once: ours saves the library's ZeRO-3 (``zero.FullyShardedModule``), DCP
+saves torch's FSDP2 (``fully_shard``: each parameter a DTensor of this rank's rows), and each
+loads its checkpoint into the full, unsharded model (what world size 1 holds: a load sends
+nothing, so any rank can stand for it).
+
 The saves and loads are wall-clock (disk and CPU): the machine's load moves them (the tables
 give min-max over the repeats; docs/benchmarks.md states the run); bytes are exact. Both
-sides fsync their files (DCP's FileSystemWriter does by default). Every loaded tensor is
-checked equal to the saved one (torch.equal).
+sides fsync their files (DCP's FileSystemWriter does by default). What each side loads is
+checked equal to what the other loaded and to the saved tensors (torch.equal), replicated and
+sharded alike.
 """
 
 from __future__ import annotations
@@ -86,6 +92,45 @@ def _steps(model, count: int, step_s: float) -> None:
                 p.add_(1e-3)
 
 
+def _check_equal(state: dict, by_ours: dict, by_dcp: dict) -> None:
+    """Each side's loaded tensors against the other's, and both against the saved ones."""
+    for k in state:
+        if not torch.equal(by_ours[k], by_dcp[k]):
+            raise AssertionError(f"{k}: what ours loaded differs from what DCP loaded")
+        if not torch.equal(by_ours[k], state[k]):
+            raise AssertionError(f"{k}: the loaded tensor differs from the saved one")
+
+
+def _sharded(comm: Communicator, cfg: CheckpointBench, root: str, state: dict) -> dict:
+    """Sharded state, saved at this world size and loaded into the full model (what world size 1
+    holds; a load sends nothing, so it is the same on any rank): ours from the library's ZeRO-3
+    (``FullyShardedModule``), DCP from torch's FSDP2 (``fully_shard``: DTensor shards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from .. import checkpoint
+    from ..parallel.zero import FullyShardedModule
+
+    ours, theirs = os.path.join(root, "ours-sharded"), os.path.join(root, "dcp-sharded")
+    zero3 = FullyShardedModule(_model(cfg, seed=0), comm)
+    out = {"ours sharded save": _timed(comm, lambda: checkpoint.save(ours, zero3, comm))}
+    fsdp2 = fully_shard(_model(cfg, seed=0), mesh=init_device_mesh("cpu", (comm.world_size,)))
+    sharded = fsdp2.state_dict()  # DTensors: this rank's rows of each parameter
+    out["dcp sharded save"] = _timed(
+        comm, lambda: dcp.save(sharded, storage_writer=dcp.FileSystemWriter(theirs))
+    )
+    by_ours = _model(cfg, seed=1)
+    by_dcp = {k: torch.zeros_like(v) for k, v in state.items()}
+    out["ours sharded load"] = _timed(comm, lambda: checkpoint.load(ours, by_ours, comm))
+    out["dcp sharded load"] = _timed(
+        comm, lambda: dcp.load(by_dcp, storage_reader=dcp.FileSystemReader(theirs))
+    )
+    _check_equal(state, by_ours.state_dict(), by_dcp)
+    out["ours sharded bytes"], out["dcp sharded bytes"] = _disk_bytes(ours), _disk_bytes(theirs)
+    return out
+
+
 def checkpoint_worker(comm: Communicator, cfg: CheckpointBench, root: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
@@ -106,10 +151,10 @@ def checkpoint_worker(comm: Communicator, cfg: CheckpointBench, root: str) -> di
         out["dcp load"].append(
             _timed(comm, lambda: dcp.load(by_dcp, storage_reader=dcp.FileSystemReader(theirs)))
         )
-        for k in state:
-            if not (torch.equal(by_ours[k], state[k]) and torch.equal(by_dcp[k], state[k])):
-                raise AssertionError(f"{k}: a loaded tensor differs from the saved one")
+        _check_equal(state, by_ours, by_dcp)
     out["ours bytes"], out["dcp bytes"] = _disk_bytes(ours), _disk_bytes(theirs)
+    out["tensors equal"] = len(state)
+    out.update(_sharded(comm, cfg, root, state))
     # the asynchronous save: the same steps with a checkpoint taken at their start, three ways
     for r in range(cfg.repeats):
         path = os.path.join(root, f"steps{r}")
@@ -156,6 +201,16 @@ def run(cfg: CheckpointBench, out: str | None = None) -> dict:
     size = human_bytes(result["ours bytes"])
     title = f"checkpoint of a {size} decoder, {cfg.world_size} ranks (rank 0's times)"
     print_table(["", "ours ms", "min-max", "DCP ms", "min-max", "DCP / ours"], rows, title=title)
+    ours_b, dcp_b = result["ours sharded bytes"], result["dcp sharded bytes"]
+    print_table(
+        ["sharded state", "ours ms", "DCP ms", "DCP / ours"],
+        [[f"{what} ({how})", result[f"ours sharded {what}"] * 1e3, result[f"dcp sharded {what}"] * 1e3,
+          result[f"dcp sharded {what}"] / result[f"ours sharded {what}"]]
+         for what, how in (("save", f"{cfg.world_size} ranks"), ("load", "into the full model"))]
+        + [["bytes on disk", human_bytes(ours_b), human_bytes(dcp_b), dcp_b / ours_b]],
+        title="sharded: ours from ZeRO-3 (FullyShardedModule), DCP from FSDP2 (fully_shard, DTensor); "
+        f"one run; loaded tensors torch.equal between the sides ({result['tensors equal']} tensors)",
+    )  # fmt: skip
     base = statistics.median(result["no save"])
     print_table(
         ["steps with a checkpoint", "ms", "min-max", "/ no save"],

@@ -125,8 +125,9 @@ def test_a_save_before_waiting_on_the_async_one_is_refused(loaded):
 
 def test_beside_torch_distributed_checkpoint(tmp_path):
     """The benchmark's launch (2 ranks, gloo): the same decoder saved by ours and by DCP, each
-    loaded into zeros by its own side; the worker raises unless every tensor is torch.equal to
-    the saved one. Both write one copy of the replicated state."""
+    loaded into zeros by its own side, replicated and sharded (ours ZeRO-3, DCP FSDP2's DTensors,
+    loaded into the full model); the worker raises unless what each side loaded is torch.equal
+    to what the other loaded and to the saved tensors. Both write one copy of the replicated state."""
     cfg = checkpoint_bench.CheckpointBench(hidden=32, layers=1, vocab=64, repeats=1, steps=1)
     result = checkpoint_bench.run(cfg, str(tmp_path))["result"]
     params = sum(p.numel() for p in checkpoint_bench._model(cfg, seed=0).state_dict().values())
@@ -134,3 +135,6 @@ def test_beside_torch_distributed_checkpoint(tmp_path):
     assert one_copy < result["ours bytes"] < one_copy + 16 * 1024  # + safetensors headers, metadata.json
     assert one_copy < result["dcp bytes"] < 2 * one_copy
     assert all(len(result[k]) == 1 for k in ("ours save", "dcp load", "no save", "async save"))
+    assert result["tensors equal"] == len(checkpoint_bench._model(cfg, seed=0).state_dict())
+    assert one_copy < result["ours sharded bytes"] < one_copy + 16 * 1024  # each rank its shard
+    assert one_copy < result["dcp sharded bytes"]  # (its metadata is larger than this tiny model)
