@@ -84,8 +84,9 @@ def _read_part_of_the_state(comm, nbytes: int) -> None:
 def elastic_worker(comm, total_steps: int, kills: dict, pid_dir: str):
     """Train; SIGKILL ourselves where ``kills[(slot, incarnation)] == (point, step)``.
 
-    Besides the library's points: "startup" (before the first ask) and "joiner_mid_recv" (at
-    "joiner_recovering", after reading 256 KiB of the donor's state). Each commit's arrival time
+    Besides the library's points: "startup" (before the first ask), "joiner_mid_recv" (at
+    "joiner_recovering", after reading 256 KiB of the donor's state) and "hang:<point>" (sleep
+    there instead of dying). Each commit's arrival time
     is appended to ``pid_dir/<slot>.<incarnation>.commits`` (for the detection time)."""
     slot, incarnation = elastic.identity()
     with open(os.path.join(pid_dir, f"{slot}.{incarnation}.pid"), "w") as f:
@@ -107,6 +108,8 @@ def elastic_worker(comm, total_steps: int, kills: dict, pid_dir: str):
             _die(pid_dir, slot, incarnation)
         if point == point_to_die:
             _die(pid_dir, slot, incarnation)
+        if point_to_die == "hang:" + point:
+            time.sleep(600)  # alive but stuck: nobody sees end-of-file
 
     ft = elastic.FaultTolerant(comm, model, optimizer, total_steps, on_point=on_point)
     while ft.step < total_steps:

@@ -30,7 +30,7 @@ import torch
 
 import elastic_workers as ew
 import minidist as md
-from minidist.errors import WorkerError
+from minidist.errors import LaunchTimeout, WorkerError
 from minidist.parallel import elastic
 
 pytestmark = pytest.mark.timeout(120)
@@ -143,6 +143,22 @@ def test_below_min_size_fails_cleanly(tmp_path):
             ew.elastic_worker, world_size=2, args=(4, kills, str(tmp_path)), transport="pipe",
             timeout=60, elastic=elastic.Policy(min_size=2),
         )  # fmt: skip
+    for name in (n for n in os.listdir(tmp_path) if n.endswith(".pid")):
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(open(tmp_path / name).read()), 0)
+
+
+def test_a_rank_alive_but_stuck_is_not_detected_the_launch_times_out(tmp_path):
+    """Only deaths are detected (end-of-file); a stuck rank keeps its pipes open, its peer waits
+    for its gradient and the coordinator for its report: md.launch's timeout ends the run."""
+    kills = {(1, 0): ("hang:before_allreduce", 1)}
+    with pytest.raises(LaunchTimeout) as caught:
+        md.launch(
+            ew.elastic_worker, world_size=2, args=(3, kills, str(tmp_path)), transport="pipe",
+            timeout=2, elastic=elastic.Policy(min_size=1),
+        )  # fmt: skip
+    stacks = caught.value.stacks  # rank 1 sleeps in on_point, rank 0 waits in the exchange
+    assert caught.value.ranks == [0, 1] and "in on_point" in stacks[1] and "in _exchange" in stacks[0]
     for name in (n for n in os.listdir(tmp_path) if n.endswith(".pid")):
         with pytest.raises(ProcessLookupError):
             os.kill(int(open(tmp_path / name).read()), 0)

@@ -60,8 +60,10 @@ of that step 5-19 ms.
 What is *not* detected: a rank that is alive but stuck (a hang, SIGSTOP, an endless loop) keeps
 its pipes open, so nobody sees end-of-file; its peers wait in their receives and the
 coordinator waits for its report. There is no step timeout: the run ends with ``LaunchTimeout``
-(md.launch's ``timeout``), naming the stuck ranks and their stacks. (torchft answers this with a
-quorum timeout: the coordinator would kill a member silent for too long, then go on as for a death.)
+(md.launch's ``timeout``), naming the stuck ranks and their stacks (tested: a rank asleep before
+its exchange, timeout 2 s). torchft answers this with a quorum timeout; here it would need the
+survivors' receives to give up on the silent peer and the coordinator to kill it (then go on as
+for a death) -- not built.
 Cost per training step: each member sends its gradient to k - 1 peers, (k - 1) x the gradient's
 bytes (an all-gather, not a ring allreduce: k / 2 times the bytes of a ring, the price of a
 fixed summation order that a replay reproduces); 2 small control messages per rank per step.
