@@ -11,25 +11,31 @@ once per variant, from the same initial weights, for the same number of steps:
   worker's own ``batch`` sequences, outer Nesterov lr 0.7, momentum 0.9 (the paper's values;
   its H is 500, on runs of 88,000 steps -- ours are a few hundred steps, so H is scaled down);
 * **DiLoCo H int8 / nf4**: the same at ``quantized_h`` with the pseudo-gradients sent quantized
-  (``local_sgd.payload``: allgathered codes and scales, dequantized and averaged locally).
+  (``local_sgd.payload``: allgathered codes and scales, dequantized and averaged locally);
+* **Streaming DiLoCo** (``streaming`` = H, F, tau, mix): F fragments on staggered schedules,
+  each exchange applied tau steps after its launch and merged with weight mix.
 
 Equal tokens: every variant sees ``steps x workers x batch x seq`` training tokens. Rank 0
 measures the held-out loss (the "eval" split) every ``eval_every`` steps on the parameters a
 variant *has* at that point: DDP's, and DiLoCo's global parameters (the last outer step's).
+Bytes are counted (``comm.stats``, training only), in all and in the busiest step, and printed
+beside the formula.
 
-Time, on the emulated clock (``minidist.clock``, ``transport.emulated``): a step's compute is
-``6 N T`` FLOPs on a stated GPU (N parameters, T tokens a worker, ``gpu_tflops`` x ``mfu``), a
-sync is one average of the model's pseudo-gradient (``local_sgd.average_async``: the fp32 ring
-allreduce, DDP's too, or the quantized allgathers) **measured** over ``EmulatedLinkComm`` at
-each link speed, beside the alpha-beta prediction. DDP pays a sync every
-step, DiLoCo every H steps (no overlap assumed in either: DDP could hide at most its compute,
-which is far shorter here)::
+Time, on the emulated clock (``local_sgd.timing``): a step's compute is ``6 N T`` FLOPs on a
+stated GPU (``gpu_tflops`` x ``mfu``); a sync is one average of the model's pseudo-gradient
+(``local_sgd.average_async``: the fp32 ring allreduce, DDP's too, or the quantized allgathers)
+**measured** over ``EmulatedLinkComm`` at each link speed, beside the alpha-beta prediction::
 
-    time to target = (steps until the held-out loss <= target) x compute_s + (syncs by then) x sync_s
+    time to target = t* x compute_s + (launches by t*) x max(0, sync_s / F - tau x compute_s)
 
-The target is the highest final held-out loss among the variants (so every variant reaches it;
-steps to it are resolved to ``eval_every``). Bytes are counted (``comm.stats``, training only)
-and printed beside the ring formula. Only ratios from one run are claimed.
+(``local_sgd.time_to_target``: DDP a sync every step, DiLoCo every H steps, none hidden;
+Streaming a fragment of 1/F of the model, tau steps of compute hidden behind it). Two targets:
+the highest final held-out loss among the variants (every variant reaches it) and DDP's loss at
+half the run (stricter: "not reached" where a variant misses it); steps to them are resolved to
+``eval_every``. The overlap model is checked against one measured run: DiLoCo and Streaming
+DiLoCo for ``2H + tau`` steps over ``EmulatedLinkComm`` at the slowest link, each step the
+6 N T of ``check_tokens`` tokens waited on the clock (``clock.timed_mlp``: N real parameters
+that the syncs carry, a compute that only waits). Only ratios from one run are claimed.
 """
 
 from __future__ import annotations
@@ -38,15 +44,16 @@ import functools
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from ..collectives import cost_model
+from .. import clock
 from ..comm import Communicator
 from ..parallel import local_sgd
 from ..transport.emulated import ETHERNET_10G, EmulatedLinkComm
-from ._util import human_bytes, out_dir, print_table, save_json
+from ._util import out_dir, save_json
 
 GBIT = 1.25e8  # bytes per second of 1 Gbit/s
 
@@ -61,6 +68,7 @@ class DilocoBench:
     hs: tuple[int, ...] = (1, 10, 50, 100)
     quantized: tuple[str, ...] = ("int8", "nf4")  # pseudo-gradient payloads, run at quantized_h
     quantized_h: int = 50
+    streaming: tuple = (50, 5, 5, 0.5)  # H, F, tau, mix of the Streaming row; () for none
     inner_lr: float = 1e-3
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
@@ -70,6 +78,7 @@ class DilocoBench:
     gpu_tflops: float = 125.0  # V100 tensor cores
     mfu: float = 0.4
     repeats: int = 3  # emulated syncs measured per link (median)
+    check_tokens: int = 65536  # the overlap check's tokens a step: 6 N T of compute that tau steps hide
     seed: int = 0
 
 
@@ -101,45 +110,71 @@ def _held_out(model, ids: torch.Tensor) -> float:
     return float(_loss(model, ids))
 
 
-def variants(cfg: DilocoBench) -> list[tuple[str, int | None, str | None]]:
-    """(label, H or None for DDP, quantize) of every row, in order."""
-    return ([("DDP", None, None)] + [(f"DiLoCo H={h}", h, None) for h in cfg.hs]
-            + [(f"DiLoCo H={cfg.quantized_h} {q}", cfg.quantized_h, q) for q in cfg.quantized])  # fmt: skip
+class Variant(NamedTuple):
+    label: str
+    h: int | None  # None: DDP
+    quantize: str | None = None
+    fragments: int = 1
+    delay: int = 0
+    mix: float = 0.0
 
 
-def _train(comm: Communicator, cfg: DilocoBench, h: int | None, quantize, train, held_out) -> dict:
-    """One variant (h None: DDP); its held-out curve (rank 0) and the bytes it sent training."""
+def variants(cfg: DilocoBench) -> list[Variant]:
+    """Every row, in order."""
+    rows = [Variant("DDP", None)] + [Variant(f"DiLoCo H={h}", h) for h in cfg.hs]
+    rows += [Variant(f"DiLoCo H={cfg.quantized_h} {q}", cfg.quantized_h, q) for q in cfg.quantized]
+    if cfg.streaming:
+        h, f, tau, mix = cfg.streaming
+        rows.append(Variant(f"Streaming H={h} F={f} tau={tau} mix {mix:g}", h, None, f, tau, mix))
+    return rows
+
+
+def _train(comm: Communicator, cfg: DilocoBench, v: Variant, train, held_out) -> dict:
+    """One variant; its held-out curve (rank 0), the bytes it sent training (in all, and in its
+    busiest step) and its exchanges as (count, numel) pairs (for the formula)."""
     from ..parallel import DistributedDataParallel
     from ..parallel.buckets import allreduce_average
 
     model = _make_model(cfg)
-    if h is None:
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr)
+    if v.h is None:
         hook = functools.partial(allreduce_average, algorithm="ring")
         trained = DistributedDataParallel(model, comm, bucket_mb=math.inf, overlap=False, comm_hook=hook)
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr)
         evaluated = model
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.inner_lr)
-        trained = local_sgd.DiLoCo(model, comm, opt, h, cfg.outer_lr, cfg.outer_momentum, quantize=quantize)
+        trained = local_sgd.DiLoCo(model, comm, opt, v.h, cfg.outer_lr, cfg.outer_momentum, v.fragments,
+                                   v.quantize, delay=v.delay, mix=v.mix)  # fmt: skip
         evaluated = _make_model(cfg)  # holds the global parameters for evaluation
-    curve, sent = [], 0
+    curve, per_step, before = [], [], comm.stats.bytes_sent
     for step in range(cfg.steps + 1):
         if step % cfg.eval_every == 0 and comm.rank == 0:
-            if h is not None:
+            if v.h is not None:
                 torch.nn.utils.vector_to_parameters(trained.global_params, evaluated.parameters())
             curve.append((step, _held_out(evaluated, held_out)))
         if step == cfg.steps:
             break
         ids = train[step, comm.rank]
-        before = comm.stats.bytes_sent
-        if h is None:
+        if v.h is None:
             opt.zero_grad(set_to_none=True)
             _loss(trained, ids).backward()
             opt.step()
         else:
             trained.step(_loss, ids)
-        sent += comm.stats.bytes_sent - before
-    return {"curve": curve, "bytes_sent": sent, "syncs": cfg.steps if h is None else cfg.steps // h}
+        per_step.append(comm.stats.bytes_sent - before)  # since the last step (an exchange in flight
+        before = comm.stats.bytes_sent  # keeps sending while rank 0 evaluates)
+    if v.h is None:
+        numel = sum(p.numel() for p in model.parameters())
+        exchanges, launches = [(cfg.steps, numel)], list(range(1, cfg.steps + 1))
+    else:
+        trained.flush()  # fragments still in flight: the rest of their bytes (since the last step)
+        per_step[-1] += comm.stats.bytes_sent - before
+        exchanges = [(len(t), hi - lo) for t, (lo, hi) in zip(trained.launched, trained.bounds)]
+        launches = sorted(t for launched in trained.launched for t in launched)
+    # an exchange launched after step t is sent by its apply, tau steps later (async, on the
+    # communication thread): its bytes are those of steps t..t+tau (no other exchange runs then
+    # while F tau < H)
+    peak = max(sum(per_step[t - 1 : t + v.delay]) for t in launches)
+    return {"curve": curve, "bytes_sent": sum(per_step), "peak_bytes": peak, "exchanges": exchanges}
 
 
 def _sync_seconds(comm: Communicator, numel: int, gbit: float, quantize: str | None, repeats: int) -> float:
@@ -161,83 +196,55 @@ def _key(quantize: str | None) -> str:
     return quantize or "fp32"
 
 
+def _timed_run(comm: Communicator, cfg: DilocoBench, v: Variant, numel: int, compute_s: float, gbit) -> float:
+    """Seconds of 2H + tau DiLoCo steps of a ``numel``-parameter model whose step waits
+    ``compute_s`` on the clock, over an emulated link of ``gbit`` (None: the plain comm)."""
+    link = comm if gbit is None else EmulatedLinkComm(comm, ETHERNET_10G.alpha_s, gbit * GBIT)
+    model = torch.nn.Sequential(clock.TimedLayer(numel, compute_s / 3, 2 * compute_s / 3))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    trainer = local_sgd.DiLoCo(model, link, opt, v.h, cfg.outer_lr, cfg.outer_momentum, v.fragments,
+                               delay=v.delay, mix=v.mix)  # fmt: skip
+    x = torch.zeros(1)
+    link.barrier()
+    start = time.perf_counter()
+    for _ in range(2 * v.h + v.delay):
+        trainer.step(lambda m, b: m(b).sum(), x)
+    trainer.flush()
+    link.barrier()
+    elapsed = time.perf_counter() - start
+    if link is not comm:
+        link.close()
+    return elapsed
+
+
 def bench_worker(comm: Communicator, cfg: DilocoBench) -> dict:
     torch.set_num_threads(1)
     train, held_out = _data(cfg, comm.world_size)
-    runs = {label: _train(comm, cfg, h, q, train, held_out) for label, h, q in variants(cfg)}
+    runs = {v.label: _train(comm, cfg, v, train, held_out) for v in variants(cfg)}
     numel = sum(p.numel() for p in _make_model(cfg).parameters())
     payloads = [None, *cfg.quantized]
     sync_s = {
         _key(q): {g: _sync_seconds(comm, numel, g, q, cfg.repeats) for g in cfg.links_gbit} for q in payloads
     }
-    return {"runs": runs, "numel": numel, "sync_s": sync_s}
-
-
-def summarise(cfg: DilocoBench, outs: list[dict]) -> dict:
-    """Rows per variant: held-out loss, bytes (counted, formula), time to target per link."""
-    p, numel = len(outs), outs[0]["numel"]
-    tokens = cfg.steps * p * cfg.batch * cfg.seq
-    compute_s = 6 * numel * cfg.batch * cfg.seq / (cfg.gpu_tflops * 1e12 * cfg.mfu)
-    alpha = ETHERNET_10G.alpha_s
-    sync_s, predicted = {}, {}
-    for q in [None, *cfg.quantized]:  # the slowest rank's median; the alpha-beta prediction
-        sync_s[_key(q)] = {g: max(o["sync_s"][_key(q)][g] for o in outs) for g in cfg.links_gbit}
-        predicted[_key(q)] = {  # ring allreduce, or two ring allgathers (codes, scales): 2(p-1) messages
-            g: cost_model.predict("ring", p, 4 * numel, cost_model.AlphaBeta(alpha, 1 / (g * GBIT), 0.0))
-            if q is None else (p - 1) * (2 * alpha + local_sgd.payload_bytes(numel, q) / (g * GBIT))
-            for g in cfg.links_gbit
-        }  # fmt: skip
-    target = max(run["curve"][-1][1] for run in outs[0]["runs"].values())  # every variant gets there
-    rows = []
-    for label, h, q in variants(cfg):
-        run, every = outs[0]["runs"][label], h or 1
-        reached = next((step for step, loss in run["curve"] if loss <= target), None)
-        formula = [run["syncs"] * local_sgd.sync_bytes(numel, p, r, q) for r in range(p)]
-        row = dict(label=label, h=every, quantize=q, final_loss=run["curve"][-1][1], syncs=run["syncs"],
-                   bytes_sent=[o["runs"][label]["bytes_sent"] for o in outs], formula_bytes=formula,
-                   bytes_per_token=formula[0] / tokens, steps_to_target=reached,
-                   curve=run["curve"])  # fmt: skip
-        for g in cfg.links_gbit:
-            row[f"time_s_{g:g}G"] = (
-                math.nan if reached is None else reached * compute_s + (reached // every) * sync_s[_key(q)][g]
-            )
-        rows.append(row)
-    return dict(config=asdict(cfg), workers=p, numel=numel, tokens=tokens, compute_s=compute_s, target=target,
-                sync_s=sync_s, predicted_sync_s=predicted, rows=rows)  # fmt: skip
-
-
-def print_tables(result: dict) -> None:
-    rows, links = result["rows"], result["config"]["links_gbit"]
-    ddp = rows[0]
-    print_table(
-        ["variant", "held-out loss", "vs DDP", "syncs", "bytes/token", "counted = formula", "steps to target"]
-        + [f"time {g:g} Gbit/s" for g in links] + [f"DDP / this {g:g}G" for g in links],
-        [[r["label"], r["final_loss"], f"{100 * (r['final_loss'] / ddp['final_loss'] - 1):+.1f}%", r["syncs"],
-          human_bytes(int(r["bytes_per_token"])), str(r["bytes_sent"] == r["formula_bytes"]),
-          r["steps_to_target"] if r["steps_to_target"] is not None else "not reached"]
-         + [r[f"time_s_{g:g}G"] for g in links] + [ddp[f"time_s_{g:g}G"] / r[f"time_s_{g:g}G"] for g in links]
-         for r in rows],
-        title=f"{result['workers']} workers, {result['numel']:,} parameters, "
-        f"{result['tokens']:,} tokens each; "
-        f"target = the worst final held-out loss ({result['target']:.3f}); compute "
-        f"{result['compute_s'] * 1e6:.1f} us a step",
-    )  # fmt: skip
-    print_table(
-        ["payload", "link", "sync measured (s)", "predicted (s)", "measured / predicted"],
-        [[q, f"{g:g} Gbit/s", result["sync_s"][q][g], result["predicted_sync_s"][q][g],
-          result["sync_s"][q][g] / result["predicted_sync_s"][q][g]]
-         for q in result["sync_s"] for g in links],
-        title="one average of the model's pseudo-gradient over the emulated link (slowest rank, median; "
-        "fp32: the ring allreduce, DDP's too)",
-    )  # fmt: skip
+    check = {}
+    if cfg.streaming:  # the overlap model against a measured run: DiLoCo and Streaming, fp32
+        compute_s = local_sgd.step_compute_s(numel, cfg.check_tokens, cfg.gpu_tflops * 1e12 * cfg.mfu)
+        for v in (Variant("DiLoCo", cfg.streaming[0]), variants(cfg)[-1]):
+            check[v.label] = {
+                "link": _timed_run(comm, cfg, v, numel, compute_s, min(cfg.links_gbit)),
+                "no link": _timed_run(comm, cfg, v, numel, compute_s, None),
+            }
+    return {"runs": runs, "numel": numel, "sync_s": sync_s, "check": check}
 
 
 def run(cfg: DilocoBench = DilocoBench(), out: str | None = None) -> dict:  # noqa: B008 (frozen)
     import minidist as md
 
-    timeout = 120 + 2 * cfg.steps * len(variants(cfg)) + 30 * cfg.repeats * len(cfg.links_gbit) * 3
+    timeout = 180 + 2 * cfg.steps * len(variants(cfg)) + 30 * cfg.repeats * len(cfg.links_gbit) * 3
     outs = md.launch(bench_worker, cfg.workers, args=(cfg,), transport="shm", threads_per_worker=1,
                      timeout=timeout)  # fmt: skip
+    from .diloco_tables import print_tables, summarise
+
     result = summarise(cfg, outs)
     print_tables(result)
     save_json(out_dir(out), "diloco", result)
@@ -257,6 +264,9 @@ def add_parser(sub) -> None:
         "--quantized", nargs="*", default=list(d.quantized), help="int8 nf4, at --quantized-h"
     )
     parser.add_argument("--quantized-h", type=int, default=d.quantized_h)
+    parser.add_argument(
+        "--streaming", type=float, nargs="*", default=list(d.streaming), help="H F tau mix (none: no row)"
+    )
     parser.add_argument("--eval-every", type=int, default=d.eval_every)
     parser.add_argument("--links", type=float, nargs="+", default=list(d.links_gbit), help="Gbit/s")
     parser.add_argument("--repeats", type=int, default=d.repeats)
@@ -267,5 +277,6 @@ def main(args) -> None:
     cfg = DilocoBench(model=args.model, workers=args.workers, batch=args.batch, seq=args.seq,
                       steps=args.steps, hs=tuple(args.hs), quantized=tuple(args.quantized),
                       quantized_h=args.quantized_h, eval_every=args.eval_every,
+                      streaming=(*map(int, args.streaming[:3]), *args.streaming[3:]),
                       links_gbit=tuple(args.links), repeats=args.repeats)  # fmt: skip
     run(cfg, args.out)
