@@ -217,7 +217,8 @@ def main(cfg: ElasticBench | None = None) -> dict:
     ours = sum(p.numel() for p in _model(cfg.width)[0].parameters())
     counted, tensors = live["state bytes per recovery"], 3 * ours * 8  # weights, Adam m and v
     print(
-        f"state moved per recovery, counted: {'/'.join(map(str, counted))} B = 3 x {ours} float64 "
+        "state moved per recovery, counted (by the replacements alive at the end): "
+        f"{'/'.join(map(str, counted))} B = 3 x {ours} float64 "
         f"parameters x 8 B (weights, Adam m and v: {tensors} B) + {min(counted) - tensors}-"
         f"{max(counted) - tensors} B of torch.save framing and history (fixed, not per parameter); "
         f"the formula for the job: 3 x 4 B = 12 B a parameter (fp32) x {cfg.params / 1e6:.0f}M = "
