@@ -18,8 +18,8 @@ once per variant, from the same initial weights, for the same number of steps:
 Equal tokens: every variant sees ``steps x workers x batch x seq`` training tokens. Rank 0
 measures the held-out loss (the "eval" split) every ``eval_every`` steps on the parameters a
 variant *has* at that point: DDP's, and DiLoCo's global parameters (the last outer step's).
-Bytes are counted (``comm.stats``, training only), in all and in the busiest step, and printed
-beside the formula.
+Bytes are counted (``comm.stats``, training only), in all and for the largest single exchange
+(the peak: a rank's bytes from an exchange's launch to its apply), beside the formulas.
 
 Time, on the emulated clock (``local_sgd.timing``): a step's compute is ``6 N T`` FLOPs on a
 stated GPU (``gpu_tflops`` x ``mfu``); a sync is one average of the model's pseudo-gradient
@@ -34,7 +34,7 @@ the highest final held-out loss among the variants (every variant reaches it) an
 half the run (stricter: "not reached" where a variant misses it); steps to them are resolved to
 ``eval_every``. The overlap model is checked against one measured run: DiLoCo and Streaming
 DiLoCo for ``2H + tau`` steps over ``EmulatedLinkComm`` at the slowest link, each step the
-6 N T of ``check_tokens`` tokens waited on the clock (``clock.timed_mlp``: N real parameters
+6 N T of ``check_tokens`` tokens waited on the clock (``clock.TimedLayer``: N real parameters
 that the syncs carry, a compute that only waits). Only ratios from one run are claimed.
 """
 
