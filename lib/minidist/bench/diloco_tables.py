@@ -87,7 +87,7 @@ def print_tables(result: dict) -> None:
     ddp = rows[0]
     (loose, loose_at), (strict, strict_at) = result["targets"].items()
     print_table(
-        ["variant", "held-out loss", "vs DDP", "syncs", "bytes/token", "peak bytes a step",
+        ["variant", "held-out loss", "vs DDP", "syncs", "bytes/token", "peak bytes (1 exchange)",
          "counted = formula", "steps to target"]
         + [f"time {g:g} Gbit/s" for g in links] + [f"DDP / this {g:g}G" for g in links],
         [[r["label"], r["final_loss"], f"{100 * (r['final_loss'] / ddp['final_loss'] - 1):+.1f}%", r["syncs"],
