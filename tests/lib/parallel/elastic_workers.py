@@ -109,6 +109,8 @@ def elastic_worker(comm, total_steps: int, kills: dict, pid_dir: str):
         if point == point_to_die:
             _die(pid_dir, slot, incarnation)
         if point_to_die == "hang:" + point:
+            with open(os.path.join(pid_dir, f"{slot}.{incarnation}.hung"), "w") as f:
+                f.write(repr(time.monotonic()))
             time.sleep(600)  # alive but stuck: nobody sees end-of-file
 
     ft = elastic.FaultTolerant(comm, model, optimizer, total_steps, on_point=on_point)

@@ -164,11 +164,40 @@ def test_a_rank_alive_but_stuck_is_not_detected_the_launch_times_out(tmp_path):
             os.kill(int(open(tmp_path / name).read()), 0)
 
 
+def test_with_a_step_timeout_a_stuck_rank_is_killed_and_training_goes_on(tmp_path):
+    """Policy(step_timeout=1): slot 2 hangs before its exchange at step 1 -- slots 0 and 1 give
+    up on its gradient after 1 s and report, the coordinator kills it 1 s after their reports, a
+    replacement recovers; slot 1 hangs after the commit of step 3 -- the others ask for step 4,
+    it is killed 1 s later, no restart is left. The history as derived, equal to the replay."""
+    kills = {(2, 0): ("hang:before_allreduce", 1), (1, 0): ("hang:after_report", 3)}
+    policy = elastic.Policy(min_size=2, max_restarts=1, step_timeout=1.0)
+    outs = md.launch(
+        ew.elastic_worker, world_size=3, args=(6, kills, str(tmp_path)), transport="pipe",
+        timeout=60, elastic=policy,
+    )  # fmt: skip
+    three = [0, 1, 2]
+    expected = [three, [0, 1], three, three, [0, 2], [0, 2]]
+    assert outs[1] is None and outs[2]["incarnation"] == 1
+    model, _ = replay(expected)
+    for out in (outs[0], outs[2]):
+        assert out["history"] == expected
+        for got, ref in zip(out["params"], model.parameters(), strict=True):
+            assert torch.equal(got, ref.detach())
+    for name in (n for n in os.listdir(tmp_path) if n.endswith(".pid")):
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(open(tmp_path / name).read()), 0)
+    hung = float(open(tmp_path / "2.0.hung").read())
+    commit = float(open(tmp_path / "0.0.commits").read().split()[3])  # step 1's
+    print(f"hang -> survivors' commit of that step: {commit - hung:.2f} s (step_timeout 1 s)")
+
+
 def test_bad_uses_say_what_to_do():
     with pytest.raises(ValueError, match="transport='pipe'"):
         md.launch(ew.elastic_worker, world_size=2, transport="shm", elastic=elastic.Policy())
     with pytest.raises(ValueError, match="min_size"):
         elastic.Policy(min_size=0)
+    with pytest.raises(ValueError, match="step_timeout"):
+        elastic.Policy(step_timeout=0)
     with pytest.raises(ValueError, match="larger than world_size"):
         md.launch(ew.elastic_worker, world_size=2, transport="pipe", elastic=elastic.Policy(min_size=3))
     with pytest.raises(RuntimeError, match="elastic launch"):

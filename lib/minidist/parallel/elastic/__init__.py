@@ -57,13 +57,18 @@ Measured (tests/lib/parallel/test_elastic.py, 4 kills in training rounds, 11 sur
 4 ranks of a tiny model on a 2-core machine, six runs): from the SIGKILL to a survivor's commit
 of that step 5-19 ms.
 
-What is *not* detected: a rank that is alive but stuck (a hang, SIGSTOP, an endless loop) keeps
-its pipes open, so nobody sees end-of-file; its peers wait in their receives and the
-coordinator waits for its report. There is no step timeout: the run ends with ``LaunchTimeout``
-(md.launch's ``timeout``), naming the stuck ranks and their stacks (tested: a rank asleep before
-its exchange, timeout 2 s). torchft answers this with a quorum timeout; here it would need the
-survivors' receives to give up on the silent peer and the coordinator to kill it (then go on as
-for a death) -- not built.
+A rank that is alive but stuck (a hang, SIGSTOP, an endless loop) keeps its pipes open, so
+nobody sees end-of-file: its peers wait in their receives and the coordinator for its report.
+By default (``Policy(step_timeout=None)``) nothing detects it and the run ends with
+``LaunchTimeout`` (md.launch's ``timeout``), naming the ranks and their stacks. With
+``Policy(step_timeout=s)`` (torchft's quorum timeout, in our terms): a receive gives up on a peer
+after s seconds (its gradient is then not held), so the others report; the coordinator kills a
+member still silent s seconds after every other member of the phase has spoken, and from then
+on it is a death like any other (a replacement may take the slot). A hang thus costs about 2 s:
+measured 2.02-2.04 s from the hang to the survivors' commit at s = 1 (three runs). s must exceed
+the spread of the ranks' step times (compute, exchange, a recovery's state): a rank that slow is
+killed as stuck. Both are tested.
+
 Cost per training step: each member sends its gradient to k - 1 peers, (k - 1) x the gradient's
 bytes (an all-gather, not a ring allreduce: k / 2 times the bytes of a ring, the price of a
 fixed summation order that a replay reproduces); 2 small control messages per rank per step.
@@ -94,11 +99,16 @@ class Policy:
             is starting, so the membership history does not depend on timing; False: the
             survivors go on and the replacement joins the first quorum after it has asked
             (torchft's way: no time lost waiting for a process to start).
+        step_timeout: None (default): only deaths are detected, a stuck rank ends the launch
+            in LaunchTimeout; seconds: a receive gives up on a peer after that long, and a member
+            still silent that long after all others spoke is killed (then handled as a death):
+            a hang costs about 2 x step_timeout. Choose it above a step's compute + exchange.
     """
 
     min_size: int = 1
     max_restarts: int = 0
     wait_for_replacements: bool = True
+    step_timeout: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("min_size", "max_restarts"):
@@ -107,6 +117,11 @@ class Policy:
                 raise ValueError(
                     f"Policy({name}=...) must be an int >= {int(name == 'min_size')}, got {value!r}"
                 )
+        timeout = self.step_timeout
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
+        ):
+            raise ValueError(f"Policy(step_timeout=...) must be None or seconds > 0, got {timeout!r}")
 
     def _launch(self, fn, world_size: int, args: tuple, kwargs: dict, **options) -> list:
         """Called by ``md.launch`` (which does not import this package): see ``launcher.py``."""

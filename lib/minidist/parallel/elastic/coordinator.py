@@ -15,8 +15,15 @@ A round has two phases::
                 recovery round: the joiners that received the state become healthy.
 
 A rank that dies is simply no longer waited for (``on_death``); a replacement is one more live
-rank, so the next quorum waits for it to ask. Nothing here has a timeout: a dead rank's
-process ends, which the launcher sees at once.
+rank, so the next quorum waits for it to ask. A death needs no timeout: a dead rank's process
+ends, which the launcher sees at once.
+
+A rank that is alive but stuck is seen only with ``step_timeout`` (Policy): the members' receives
+then give up on a peer after ``step_timeout`` s (its gradient is not held), so the others report;
+a member still silent ``step_timeout`` s after every other member of the phase has spoken is
+``overdue``, and the launcher kills it -- from there on it is a death like any other. So is a
+member that spoke but whose gradient some survivor gave up on (slow, not stuck): its late message
+would still be in the pipes. A hang is thus detected in about 2 x ``step_timeout``.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import socket
+import time
 from dataclasses import dataclass, field
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
@@ -70,9 +78,14 @@ def recv_fds(control: Connection, count: int) -> list[int]:
 class Coordinator:
     """The state machine of the quorum (see the module docstring). ``min_size``: see Policy."""
 
-    def __init__(self, min_size: int, wait_for_replacements: bool = True) -> None:
+    def __init__(
+        self, min_size: int, wait_for_replacements: bool = True, step_timeout: float | None = None
+    ) -> None:
         self.min_size = min_size
         self.wait_for_replacements = wait_for_replacements
+        self.step_timeout = step_timeout
+        self.last_spoke = time.monotonic()  # when the phase began or a member last spoke in it
+        self.too_slow: set[int] = set()  # slots that spoke but whose gradient was given up on
         self.members: dict[int, Member] = {}  # slot -> its latest incarnation
         self.step = 0  # steps committed so far
         self.total_steps: int | None = None
@@ -103,8 +116,10 @@ class Coordinator:
                 raise ElasticError(f"slot {slot} trains {total} steps, the others {self.total_steps}")
             self.total_steps = total
             member.asked = member.registered = True
+            self.last_spoke = time.monotonic()
         elif message[0] == "report":
             member.report = message[1]
+            self.last_spoke = time.monotonic()
         else:
             raise ElasticError(f"slot {slot} sent an unknown control message {message!r}")
 
@@ -120,6 +135,25 @@ class Coordinator:
             in_round = [m for m in live if (m.slot, m.incarnation) in self.round]
             if all(m.report is not None for m in in_round):
                 self._commit(in_round)
+
+    def overdue(self) -> list[int]:
+        """Slots to kill as stuck (see the module docstring); [] without a ``step_timeout``."""
+        if self.step_timeout is None:
+            return []
+        slow, self.too_slow = sorted(self.too_slow), set()
+        if time.monotonic() - self.last_spoke < self.step_timeout:
+            return slow
+        if self.phase == "ask":  # a process still starting (it never asked) is not waited out
+            waited = [m for m in self.live() if m.registered]
+            silent = [m for m in waited if not m.asked]
+        else:
+            waited = [m for m in self.live() if (m.slot, m.incarnation) in self.round]
+            silent = [m for m in waited if m.report is None]
+            if self.kind == "recover" and any(not m.healthy for m in silent):
+                silent = [m for m in silent if not m.healthy]  # the donor may be blocked writing to it
+        if silent and len(silent) < len(waited):
+            return sorted({*slow, *(m.slot for m in silent)})
+        return slow
 
     # --- the two decisions ---------------------------------------------------------------
     def _form_quorum(self, live: list[Member]) -> None:
@@ -154,6 +188,7 @@ class Coordinator:
         for conn in self._pipe_ends:
             conn.close()  # the members hold their copies; EOF works only if we drop ours
         self.phase = "report"
+        self.last_spoke = time.monotonic()
 
     def _connect(self, live: list[Member]) -> dict[int, list]:
         """Fresh pipes for each pair of members that has none yet (a replacement and the rest)."""
@@ -175,11 +210,13 @@ class Coordinator:
 
     def _commit(self, in_round: list[Member]) -> None:
         self.phase = "ask"
+        self.last_spoke = time.monotonic()
         if not in_round:
             return  # every member died: the next quorum (of replacements) finds no donor
         if self.kind == "train":
             held = [set(m.report) for m in in_round]
             contributors = sorted(set.intersection(*held))
+            self.too_slow |= {m.slot for m in in_round if m.slot not in contributors}
             self.history.append(contributors)
             self.step += 1
             for m in in_round:

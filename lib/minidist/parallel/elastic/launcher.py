@@ -39,11 +39,14 @@ from .coordinator import Coordinator, Member
 class _Entry:
     """What an elastic worker process runs: records its control pipe and identity, calls fn."""
 
-    def __init__(self, fn, control, slot: int, incarnation: int) -> None:
+    def __init__(self, fn, control, slot: int, incarnation: int, step_timeout=None) -> None:
         self.fn, self.control, self.slot, self.incarnation = fn, control, slot, incarnation
+        self.step_timeout = step_timeout
 
     def __call__(self, comm, *args, **kwargs):
         step_module._CONTEXT = {"control": self.control, "slot": self.slot, "incarnation": self.incarnation}
+        if self.step_timeout is not None:
+            comm.timeout = self.step_timeout  # a receive gives up on a silent peer (PeerError)
         return self.fn(comm, *args, **kwargs)
 
 
@@ -70,7 +73,7 @@ def launch_elastic(policy, fn, world_size, args, kwargs, *, transport, start_met
     shared, _ = transports.setup("pipe", world_size)
     stack_dir = tempfile.mkdtemp(prefix="minidist-stacks-")
     forwarder = OutputForwarder() if forward_output else None
-    coordinator = Coordinator(policy.min_size, policy.wait_for_replacements)
+    coordinator = Coordinator(policy.min_size, policy.wait_for_replacements, policy.step_timeout)
     procs: dict[int, tuple] = {}  # slot -> (process, result reader, control) of the latest incarnation
     every_process, to_close = [], []
 
@@ -88,7 +91,7 @@ def launch_elastic(policy, fn, world_size, args, kwargs, *, transport, start_met
             timeout=timeout, threads=threads, stack_file=os.path.join(stack_dir, f"rank{slot}.txt"),
             forward_output=out_ends[0] is not None,
         )  # fmt: skip
-        entry = _Entry(fn, theirs, slot, incarnation)
+        entry = _Entry(fn, theirs, slot, incarnation, policy.step_timeout)
         process = context.Process(
             target=_worker_main,
             args=(spec, entry, tuple(args), kwargs, writer, resources, *out_ends),
@@ -115,10 +118,10 @@ def launch_elastic(policy, fn, world_size, args, kwargs, *, transport, start_met
             _kill_rank(process)
         for process in every_process:
             process.join(timeout=5.0)
+        if forwarder is not None:
+            forwarder.stop()  # before closing its pipes below: its thread may be reading them
         for conn in to_close:
             conn.close()
-        if forwarder is not None:
-            forwarder.stop()
         shutil.rmtree(stack_dir, ignore_errors=True)
 
 
@@ -127,6 +130,15 @@ def _serve(coordinator, procs, policy, start, timeout, stack_dir, world_size) ->
     results: dict[int, object] = {}
     restarts = 0
     deadline = None if timeout is None else time.monotonic() + timeout
+
+    def lost(slot: int) -> None:
+        """A rank died without a result (or was killed as stuck): start a replacement if allowed."""
+        nonlocal restarts
+        coordinator.on_death(slot)
+        incarnation = coordinator.members[slot].incarnation + 1
+        if restarts < policy.max_restarts and not coordinator.done:
+            restarts += 1
+            start(slot, incarnation, {"writers": {}, "readers": {}})
 
     def finish(slot: int, message: bytes) -> bool:
         """Take a result message; True if the rank is done (returned or raised)."""
@@ -145,6 +157,13 @@ def _serve(coordinator, procs, policy, start, timeout, stack_dir, world_size) ->
             processes = {s: procs[s][0] for s in stuck}
             files = {s: f"{stack_dir}/rank{s}.txt" for s in stuck}
             raise LaunchTimeout(stuck, collect_stacks(processes, stuck, files), timeout)
+        for slot in coordinator.overdue():  # stuck (Policy.step_timeout): from now on, a death
+            _kill_rank(procs[slot][0])
+            procs[slot][0].join(timeout=5.0)  # its pipes are closed: the others see end-of-file
+            lost(slot)
+        if coordinator.step_timeout is not None:  # wake up to check for silent members
+            quarter = coordinator.step_timeout / 4
+            wait_for = quarter if wait_for is None else min(wait_for, quarter)
         watch = {}
         for slot, (process, reader, control) in procs.items():
             if coordinator.members[slot].alive:
@@ -174,10 +193,6 @@ def _serve(coordinator, procs, policy, start, timeout, stack_dir, world_size) ->
                         break
                 if not coordinator.members[slot].alive:
                     continue
-                coordinator.on_death(slot)  # died without a result: a lost rank
-                incarnation = coordinator.members[slot].incarnation + 1
-                if restarts < policy.max_restarts and not coordinator.done:
-                    restarts += 1
-                    start(slot, incarnation, {"writers": {}, "readers": {}})
+                lost(slot)  # died without a result: a lost rank
         coordinator.progress()
     return [results.get(slot) for slot in range(world_size)]
