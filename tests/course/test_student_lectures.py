@@ -3,9 +3,10 @@
 The release (grader/release_lectures.py) refuses a student copy in which a stub could stop Run
 All or a later cell could use a student's answer, for every lecture; this runs one student copy
 for real, as a student who has solved nothing would: lecture 01, whose checks meet a stub both in
-the notebook's own process (Try it 1) and in ranks that ``md.launch`` started (Try its 2 and 3).
-The other eight would cost five minutes of CI and check the same machinery. nbval runs the
-solved copies in solutions/lectures/.
+the notebook's own process (Try it 1) and in ranks that ``md.launch`` started (Try its 2 and 3);
+and lecture 11 (8 s), whose stubs meet ``md.switched_off`` checks after an elastic launch with a
+SIGKILLed rank and a resharding load. The other nine would cost minutes of CI and check the same
+machinery. nbval runs the solved copies in solutions/lectures/.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ if str(ROOT) not in sys.path:
 
 from grader.release_lectures import exercise_count, is_check_cell  # noqa: E402
 
-RUN = ["01_processes_pipes_shared_memory.ipynb"]
+RUN = ["01_processes_pipes_shared_memory.ipynb", "11_cheap_networks_and_failures.ipynb"]
 
 
 @pytest.mark.parametrize("name", RUN)
