@@ -18,7 +18,13 @@ A recovery round (the quorum has joiners, i.e. replacements): the donor -- the l
 slot -- sends each joiner one message with the model's and the optimizer's state, the step and
 the history (``torch.save`` bytes, preceded by their length), point to point over the pipes the
 coordinator has just handed out; each joiner reports whether it got it all. No training happens
-in a recovery round: the next round is a training round at full size.
+in a recovery round: the next round is a training round at full size. Random number generator
+states are not sent: a model with dropout, or batches drawn from a global generator, makes a
+replacement differ from the replay; seed from (slot, step), as the tests do.
+
+All communication of an elastic worker goes through ``FaultTolerant``: a replacement starts
+with no pipes to its peers until its first quorum hands them out, so a plain ``md.allreduce``
+before it would find none.
 
 ``on_point(point, step)``, if given, is called at named points -- "before_allreduce",
 "mid_allreduce" (after the first gradient send), "after_allreduce", "donor_mid_send" (after the
@@ -36,7 +42,7 @@ import torch
 
 from ...comm import Communicator
 from ...errors import PeerError
-from .coordinator import recv_fds
+from .coordinator import ElasticError, recv_fds
 
 _CONTEXT: dict | None = None  # set in each elastic worker by launcher._Entry: control pipe, slot, incarnation
 
@@ -57,6 +63,58 @@ def average_in_order(grads: Sequence[torch.Tensor]) -> torch.Tensor:
     return total / len(grads)
 
 
+def exchange(
+    comm: Communicator,
+    flat: torch.Tensor,
+    members: list[int],
+    me: int,
+    step: int,
+    on_point: Callable[[str, int], None] | None = None,
+) -> dict[int, torch.Tensor]:
+    """Send ``flat`` (our gradient) to every other member and receive theirs: ``{slot: gradient}``.
+
+    A dead member is skipped (its receive ends with PeerError: we just do not hold its gradient).
+    Every receive is posted before the first send: a gradient larger than a pipe's buffer
+    (1 MiB) is then drained by the peer's receive while we write it, where blocking sends on
+    both sides first would deadlock (each waits for the other to read). Bytes out: (k - 1) x
+    ``flat``'s bytes, k = len(members). ``on_point("mid_allreduce", step)`` after the first send.
+    """
+    others = [m for m in members if m != me]
+    held = {me: flat}
+    receives = []
+    for peer in others:
+        buffer = torch.empty_like(flat)
+        try:
+            receives.append((peer, buffer, comm.irecv(buffer, peer, tag=step + 1)))
+        except PeerError:
+            pass
+    works = []
+    for i, peer in enumerate(others):
+        try:
+            works.append(comm.isend(flat, peer, tag=step + 1))
+            if i == 0:
+                works.pop().wait()
+                if on_point is not None:
+                    on_point("mid_allreduce", step)
+        except PeerError:
+            pass
+    for peer, buffer, work in receives:
+        try:
+            work.wait()
+            held[peer] = buffer
+        except PeerError:
+            pass
+    for work in works:
+        try:
+            work.wait()
+        except PeerError:
+            pass
+    return held
+
+
+_library_exchange = exchange  # FaultTolerant's keyword ``exchange`` shadows the name there
+
+
 class FaultTolerant:
     """Data-parallel training that goes on when ranks die and takes replacements in.
 
@@ -64,6 +122,10 @@ class FaultTolerant:
     gradients were averaged at step s. ``comm`` must be the communicator of an elastic launch.
     ``optimizer``: anything with ``step()``, ``state_dict()`` and ``load_state_dict()`` (a
     torch.optim optimizer, or your own); we zero the gradients through the model.
+
+    Two seams, for exercises: ``exchange(comm, flat, members, me, step) -> {slot: gradient}``
+    (default: this module's ``exchange``) and ``average(gradients in slot order) -> flat``
+    (default ``average_in_order``).
     """
 
     def __init__(
@@ -73,6 +135,9 @@ class FaultTolerant:
         optimizer: torch.optim.Optimizer,
         total_steps: int,
         on_point: Callable[[str, int], None] | None = None,
+        *,
+        exchange: Callable[..., dict[int, torch.Tensor]] | None = None,
+        average: Callable[[Sequence[torch.Tensor]], torch.Tensor] | None = None,
     ) -> None:
         if _CONTEXT is None:
             raise RuntimeError(
@@ -82,6 +147,8 @@ class FaultTolerant:
         self.comm, self.model, self.optimizer = comm, model, optimizer
         self.total_steps = total_steps
         self.on_point = on_point or (lambda point, step: None)
+        self.exchange = exchange or _library_exchange  # the seams (assignment a9)
+        self.average = average or average_in_order  # average(grads in slot order) -> flat
         self.slot, self.incarnation = identity()
         self._control: Connection = _CONTEXT["control"]
         self.step = 0
@@ -135,13 +202,22 @@ class FaultTolerant:
         loss = closure(step)
         loss.backward()
         params = [p for p in self.model.parameters() if p.grad is not None]
+        unused = [n for n, p in self.model.named_parameters() if p.requires_grad and p.grad is None]
+        if unused:  # its gradient would be missing here and present elsewhere: lengths would differ
+            raise ElasticError(
+                f"slot {self.slot}, step {step}: parameters {unused[:3]} got no gradient; every rank "
+                "must send every trainable parameter's gradient: use them in the loss, or set "
+                "requires_grad=False on those that no rank trains"
+            )
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         self.on_point("before_allreduce", step)
         held = self._exchange(flat, quorum["members"], step)
         self.on_point("after_allreduce", step)
         contributors = self._report(sorted(held))
         self.on_point("after_report", step)
-        average = average_in_order([held[c] for c in contributors])
+        if not contributors:  # possible only when every receive timed out (Policy.step_timeout)
+            raise ElasticError(f"slot {self.slot}, step {step}: the coordinator committed no contributors")
+        average = self.average([held[c] for c in contributors])
         offset = 0
         for p in params:
             p.grad.copy_(average[offset : offset + p.numel()].view_as(p))
@@ -152,41 +228,10 @@ class FaultTolerant:
         return float(loss.detach())
 
     def _exchange(self, flat: torch.Tensor, members: list[int], step: int) -> dict[int, torch.Tensor]:
-        """Send our gradient to every member and receive theirs; a dead member is skipped.
-
-        Every receive is posted before the first send: a gradient larger than a pipe's buffer
-        (1 MiB) is then drained by the peer's receive while we write it, where blocking sends on
-        both sides first would deadlock (each waits for the other to read)."""
-        others = [m for m in members if m != self.slot]
-        held = {self.slot: flat}
-        receives = []
-        for peer in others:
-            buffer = torch.empty_like(flat)
-            try:
-                receives.append((peer, buffer, self.comm.irecv(buffer, peer, tag=step + 1)))
-            except PeerError:
-                pass
-        works = []
-        for i, peer in enumerate(others):
-            try:
-                works.append(self.comm.isend(flat, peer, tag=step + 1))
-                if i == 0:
-                    works.pop().wait()
-                    self.on_point("mid_allreduce", step)
-            except PeerError:
-                pass
-        for peer, buffer, work in receives:
-            try:
-                work.wait()
-                held[peer] = buffer
-            except PeerError:
-                pass
-        for work in works:
-            try:
-                work.wait()
-            except PeerError:
-                pass
-        return held
+        """The gradient exchange of this step: the seam's ``exchange`` (the library's by default)."""
+        if self.exchange is exchange:
+            return exchange(self.comm, flat, members, self.slot, step, on_point=self.on_point)
+        return self.exchange(self.comm, flat, members, self.slot, step)
 
     def _recover(self, quorum: dict) -> None:
         """A recovery round: the donor sends the state to each joiner; everyone reports."""
