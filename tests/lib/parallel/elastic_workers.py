@@ -142,3 +142,11 @@ def large_gradient_worker(comm, features: int):
         ft.train_step(lambda _step: model(x).pow(2).mean())
         grads.append(model.weight.grad.clone())
     return {"history": ft.history, "grads": grads}
+
+
+def unused_parameter_worker(comm):
+    """A model whose second layer no loss uses: its gradient would be missing from the exchange."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"used": torch.nn.Linear(2, 1), "unused": torch.nn.Linear(2, 1)})
+    ft = elastic.FaultTolerant(comm, model, torch.optim.SGD(model.parameters(), lr=0.1), 1)
+    ft.train_step(lambda step: model["used"](torch.ones(1, 2)).sum())

@@ -212,6 +212,14 @@ def test_a_rank_that_raises_is_a_bug_not_a_lost_machine(tmp_path):
         )  # fmt: skip
 
 
+def test_a_parameter_without_a_gradient_is_refused_with_what_to_do():
+    with pytest.raises(WorkerError, match="got no gradient.*requires_grad=False"):
+        md.launch(
+            ew.unused_parameter_worker, world_size=2, transport="pipe", timeout=60,
+            elastic=elastic.Policy(min_size=2),
+        )  # fmt: skip
+
+
 def test_without_waiting_the_survivors_go_on_and_still_equal_the_replay(tmp_path):
     """wait_for_replacements=False: when the replacement joins depends on timing, so the check is
     against a replay of the history the run recorded (whatever it is)."""

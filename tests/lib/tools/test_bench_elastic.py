@@ -18,7 +18,6 @@ def test_elastic_bench_counts_steps_redone_and_prints_the_ratio(capsys):
     cfg = bench.ElasticBench(world_size=3, steps=12, kill_steps=(3, 8), checkpoint_every=5)
     result = bench.main(cfg)
     live, no_wait, ckpt = result["live"], result["no_wait"], result["checkpoint"]
-    assert live["steps redone"] == no_wait["steps redone"] == 0
     assert live["steps executed"] == no_wait["steps executed"] == 12
     assert live["steps below N"] == 2 and live["recovery rounds"] == 2
     assert ckpt["steps redone"] == (3 - 0) + (8 - 5) and ckpt["steps executed"] == 12 + 6
