@@ -1,0 +1,62 @@
+"""What a submission of assignment 9 may not use: a DiLoCo, a quorum exchange or an SGD someone else wrote.
+
+The assignment is to write Streaming DiLoCo's synchronisation (the outer Nesterov step, the
+fragment schedule, the delayed apply) and the fault-tolerant step's gradient exchange and average,
+so the code that already does them is off limits: the library's local SGD and DiLoCo
+(``minidist.parallel.local_sgd``, every function), the fault-tolerant step's ``exchange`` and
+``average_in_order`` (``minidist.parallel.elastic.step``), ``torch.optim.SGD`` and its functional
+``torch.optim.sgd.sgd`` (the outer step *is* Nesterov SGD), and ``torch.distributed``.
+
+Allowed: ``comm.send``, ``recv``, ``isend``, ``irecv`` and, for the pseudo-gradient's average,
+``md.allreduce`` -- communication is lecture 2's lesson, not this one; the grader checks the
+values, not how the average travelled. The measured test counts the bytes the transport carries;
+data moved any other way would not be counted, and those routes are refused.
+
+Plain data, read by the intake check (``grader/forbidden.py``) and by the run time guard
+(``guard.py``, copied into the sandbox).
+"""
+
+#: modules whose every function (and every method of their classes) is refused
+FORBIDDEN_MODULES = ("minidist.parallel.local_sgd",)
+
+#: other qualified names that are refused
+FORBIDDEN_NAMES = (
+    "minidist.parallel.elastic.step.exchange",
+    "minidist.parallel.elastic.step.average_in_order",
+    "minidist.parallel.elastic.average_in_order",
+    "torch.optim.SGD",
+    "torch.optim.SGD.__init__",  # the class itself is refused at intake; at run time, its methods
+    "torch.optim.SGD.step",
+    "torch.optim.sgd.SGD",
+    "torch.optim.sgd.sgd",
+)
+
+#: modules a submission may not import at all (intake only)
+REFUSED_IMPORTS = (
+    "torch.distributed",
+    "minidist.parallel.local_sgd",
+    "numpy",
+    "mmap",
+    "pickle",
+    "socket",
+    "subprocess",
+    "multiprocessing",
+    "shutil",
+    "tempfile",
+)
+
+#: attribute names refused on any object: ways to move bytes past the transport
+REFUSED_ATTRIBUTES = (
+    "share_memory_",
+    "from_file",
+    "shared_workspace",
+)
+
+#: the run time guard refuses to start a process (a child could carry data past the transport)
+REFUSE_PROCESSES = True
+
+#: what to use instead (the feedback says so)
+ALLOWED_INSTEAD = (
+    "comm.send, comm.recv, comm.isend, comm.irecv, md.allreduce (for the pseudo-gradient's average) "
+    "and plain torch tensor operations"
+)
