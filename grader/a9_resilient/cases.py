@@ -27,7 +27,7 @@ from grader.tiers import Tiers
 from . import reference as ref
 
 TASKS = {"nesterov_step_": 1, "fragments_due": 1, "StreamingSync": 2, "exchange": 3, "average": 3}
-# task 4 is StreamingSync measured with the student's DESIGN: test_time_to_target
+# task 4 is StreamingSync measured with the student's design(): test_time_to_target
 
 #: the measured run: a 24 -> 24 linear regression (600 parameters, float64), 2 workers whose data
 #: differ (y = x T + rank + noise), batch 32, inner SGD lr 0.1, 200 inner steps, the same for everyone

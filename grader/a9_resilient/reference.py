@@ -237,7 +237,7 @@ def time_to_target(spec: dict, trajectory: list[torch.Tensor], traffic: list[lis
     best = min(w.heldout_loss(spec, world, flat) for flat in trajectory)
     raise AssertionError(
         f"the held-out loss never reached the target {spec['target']} in {spec['steps']} inner steps (best "
-        f"{best:.3g}): choose another DESIGN (lecture 11 section 1: H, the outer lr and momentum)"
+        f"{best:.3g}): choose another design() (lecture 11 section 1: H, the outer lr and momentum)"
     )
 
 
@@ -246,7 +246,9 @@ def check_measured(spec: dict, world: int):
         design = outs[0]["design"]
         want = simulate(dict(spec, **design, flush=False), world)
         for t, (got, ref) in enumerate(zip(outs[0]["trajectory"], want["trajectory"][0], strict=True), 1):
-            _close(got, ref, f"the measured run (DESIGN {design}): rank 0's parameters after inner step {t}")
+            _close(
+                got, ref, f"the measured run (design() {design}): rank 0's parameters after inner step {t}"
+            )
         return time_to_target(spec, outs[0]["trajectory"], outs[0]["traffic"], world)
 
     return check

@@ -279,23 +279,21 @@ DESIGN_KEYS = ("inner_steps", "fragments", "delay", "mix", "outer_lr", "outer_mo
 
 
 def design_of(resilient) -> dict:
-    """The student's ``DESIGN`` (a dict of ``DESIGN_KEYS``), checked, as plain numbers."""
-    design = getattr(resilient, "DESIGN", None)
+    """The student's ``design()`` (a dict of ``DESIGN_KEYS``), checked, as plain numbers."""
+    design = resilient.design()
     if not isinstance(design, dict) or set(design) != set(DESIGN_KEYS):
-        raise ValueError(
-            f"resilient.DESIGN must be a dict with exactly the keys {DESIGN_KEYS}, got {design!r}"
-        )
+        raise ValueError(f"design() must return a dict with exactly the keys {DESIGN_KEYS}, got {design!r}")
     out = {k: int(design[k]) for k in DESIGN_KEYS[:3]} | {k: float(design[k]) for k in DESIGN_KEYS[3:]}
     h, f, tau = out["inner_steps"], out["fragments"], out["delay"]
     if not (1 <= f <= h and 0 <= tau < h and 0.0 <= out["mix"] < 1.0):
         raise ValueError(
-            f"DESIGN needs 1 <= fragments <= inner_steps, 0 <= delay < inner_steps, 0 <= mix < 1: {out}"
+            f"design() needs 1 <= fragments <= inner_steps, 0 <= delay < inner_steps, 0 <= mix < 1: {out}"
         )
     return out
 
 
 def measured(comm, spec: dict) -> dict:
-    """The measured run: ``spec["steps"]`` inner steps with the student's ``DESIGN``; rank 0 reports
+    """The measured run: ``spec["steps"]`` inner steps with the student's ``design()``; rank 0 reports
     its parameters after every step and the transport's cumulative bytes and messages."""
     resilient = student()
     design = design_of(resilient)
