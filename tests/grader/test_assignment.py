@@ -29,6 +29,7 @@ ASSIGNMENTS = [
     "a6_inference",
     "a7_zero",
     "a8_experts",
+    "a9_resilient",
 ]
 
 
@@ -89,6 +90,7 @@ SEED_FREE = {
     "a6_inference": ("test_quantized_decoder_bits",),
     "a7_zero": ("test_peak_memory[[]*",),
     "a8_experts": ("test_bytes_per_token[[]*",),
+    "a9_resilient": ("test_time_to_target[[]*",),
 }
 
 
