@@ -36,6 +36,7 @@ ASSIGNMENTS = [
     "a6_inference",
     "a7_zero",
     "a8_experts",
+    "a9_resilient",
 ]
 #: at least this many public tests per assignment (a stub release that lost a file shows here)
 MIN_PUBLIC = {
@@ -47,6 +48,7 @@ MIN_PUBLIC = {
     "a6_inference": 8,
     "a7_zero": 5,
     "a8_experts": 7,
+    "a9_resilient": 6,
 }
 CHEAT = ROOT / "tests" / "grader" / "a1_cheating"
 
