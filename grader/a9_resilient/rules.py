@@ -16,11 +16,25 @@ Plain data, read by the intake check (``grader/forbidden.py``) and by the run ti
 (``guard.py``, copied into the sandbox).
 """
 
-#: modules whose every function (and every method of their classes) is refused
-FORBIDDEN_MODULES = ("minidist.parallel.local_sgd",)
+#: modules whose every function (and every method of their classes) is refused: none as a module --
+#: the sandbox's stand-in of ``minidist.parallel.local_sgd`` (``grader/stubs.py``) repeats the base
+#: of ``LocalSGD(DiLoCo)`` and does not import; the package is refused at intake (``REFUSED_IMPORTS``,
+#: and by name below) and its functions one by one at run time (``workers.student`` loads it first)
+FORBIDDEN_MODULES = ()
 
 #: other qualified names that are refused
 FORBIDDEN_NAMES = (
+    "minidist.parallel.local_sgd",
+    "minidist.parallel.local_sgd.outer.nesterov_outer_step_",
+    "minidist.parallel.local_sgd.schedule.fragments_due",
+    "minidist.parallel.local_sgd.schedule.fragment_offsets",
+    "minidist.parallel.local_sgd.schedule.fragment_bounds",
+    "minidist.parallel.local_sgd.payload.average_async",
+    "minidist.parallel.local_sgd.diloco.DiLoCo.__init__",
+    "minidist.parallel.local_sgd.diloco.DiLoCo.step",
+    "minidist.parallel.local_sgd.diloco.DiLoCo._launch",
+    "minidist.parallel.local_sgd.diloco.DiLoCo._apply",
+    "minidist.parallel.local_sgd.diloco.DiLoCo.flush",
     "minidist.parallel.elastic.step.exchange",
     "minidist.parallel.elastic.step.average_in_order",
     "minidist.parallel.elastic.average_in_order",

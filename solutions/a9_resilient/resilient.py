@@ -208,10 +208,10 @@ def exchange(
 def average(grads: list[torch.Tensor]) -> torch.Tensor:
     """(g_0 + g_1 + ...) / k over the contributors' gradients, given in slot order, added left to right."""
     ### BEGIN SOLUTION TODO(task 3): the one order every rank and the replay use
-    total = grads[0].clone()
-    for g in grads[1:]:
-        total += g
-    return total / len(grads)
+    total = torch.zeros_like(grads[0])
+    for gradient in grads:  # 0 + g_0 is g_0 exactly: the same bits as starting from g_0
+        total.add_(gradient)
+    return total.div_(len(grads))
     ### END SOLUTION
 
 
