@@ -36,6 +36,7 @@ ASSIGNMENTS = [
     "a6_inference",
     "a7_zero",
     "a8_experts",
+    "a9_resilient",
 ]
 EVERY_ASSIGNMENT = sorted([*ASSIGNMENTS, "a2_async"])
 
