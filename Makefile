@@ -27,7 +27,7 @@ help:
 	@echo "make format     ruff format + autofix"
 	@echo "make release    regenerate assignments/ and notebooks/ from solutions/ (instructors)"
 	@echo "make grade      grade the example submissions of a1 into grader-results/ (instructors)"
-	@echo "                (ASSIGNMENT=a2_async, a3_ddp, a4_compression, a5_model_parallel, a6_inference, a7_zero or a8_experts: those of a2-a8)"
+	@echo "                (ASSIGNMENT=a2_async, a3_ddp, a4_compression, a5_model_parallel, a6_inference, a7_zero, a8_experts or a9_resilient: those of a2-a9)"
 
 $(STAMP): pyproject.toml scripts/setup_venv.py
 	$(PYTHON) scripts/setup_venv.py --venv $(VENV)
