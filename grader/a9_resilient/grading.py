@@ -36,7 +36,7 @@ ASSIGNMENT = Assignment.of(
     __package__,
     hints=HINTS,
     similar_to=SIMILAR_TO,
-    given_functions=("fragment_bounds",),
+    given_functions=("fragment_bounds", "StreamingSync._flat", "StreamingSync._write"),  # the stub gives them
     timeout=60,
     student_code="resilient.py",
     deadlock_hint=(

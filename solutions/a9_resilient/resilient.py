@@ -177,30 +177,31 @@ def exchange(
     """
     ### BEGIN SOLUTION TODO(task 3): every receive posted before the first send
     others = [m for m in members if m != me]
-    held = {me: flat}
-    receives, sends = [], []
-    for peer in others:
-        buffer = torch.empty_like(flat)
+    buffers = {peer: torch.empty_like(flat) for peer in others}
+    receives = {}
+    for peer in others:  # every receive first: the peers' sends drain into them as they write
         try:
-            receives.append((peer, buffer, comm.irecv(buffer, peer, tag=step + 1)))
+            receives[peer] = comm.irecv(buffers[peer], peer, tag=step + 1)
         except PeerError:
-            pass
+            continue
+    sends = []
     for peer in others:
         try:
             sends.append(comm.isend(flat, peer, tag=step + 1))
         except PeerError:
-            pass
-    for peer, buffer, work in receives:
+            continue
+    held = {me: flat}
+    for peer, work in receives.items():
         try:
             work.wait()
-            held[peer] = buffer
         except PeerError:
-            pass
+            continue  # died before its gradient was all here: we do not hold it
+        held[peer] = buffers[peer]
     for work in sends:
         try:
             work.wait()
         except PeerError:
-            pass
+            continue
     return held
     ### END SOLUTION
 

@@ -130,13 +130,13 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         "dan": edit(
             edit(
                 solution,
-                "    receives, sends = [], []\n",
-                "    receives, sends = [], []\n    for peer in others:  # mine out first, then theirs in\n"
+                "    receives = {}\n",
+                "    receives = {}\n    for peer in others:  # mine out first, then theirs in\n"
                 "        try:\n            comm.send(flat, peer, tag=step + 1)\n"
                 "        except PeerError:\n            pass\n",
             ),
             "            sends.append(comm.isend(flat, peer, tag=step + 1))\n",
-            "            pass\n",
+            "            continue\n",
         ),
         "ava": edit(
             solution,
