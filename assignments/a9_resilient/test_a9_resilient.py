@@ -63,7 +63,7 @@ def streamed(setup: Setup) -> list[dict]:
     return launch(lambda: run(streaming_worker, setup.workers, setup), "StreamingSync")
 
 
-def test_streaming_equals_one_process_after_every_step():
+def test_sync_equals_one_process_after_every_step():
     setup = Setup()
     want = one_process(setup)
     for rank, out in enumerate(streamed(setup)):
