@@ -11,7 +11,7 @@
   ``forbidden``;
 * ``dan``: deadlocks: ``exchange`` sends its gradient to every member with a blocking ``send``
   before it posts any receive: fine while a gradient fits a pipe's buffer, stuck on the 1.2 MB
-  gradient (the elastic run is reported as a deadlock after 12 s): 50;
+  gradient (the elastic run is reported as a deadlock after 20 s): 50;
 * ``ava``: wrong: averages over every member, a dead one's gradient counted as zeros -- the
   survivors claim a gradient they never received, the commit includes the dead slot: both quorum
   tests fail the replay: 38;
