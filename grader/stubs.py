@@ -112,8 +112,8 @@ def _importable(value) -> tuple[str, str] | None:
 def _refusing_class(name: str, cls: type, modules: list[str]) -> list[str]:
     bases = []
     for base in cls.__bases__:
-        if base is object:
-            continue
+        if base is object or base.__module__ == cls.__module__:
+            continue  # a base of this module: ``stand_in`` names its stand-in (defined before it)
         where = _importable(base)
         if where is None:
             continue

@@ -9,6 +9,7 @@ namespaces).
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 import subprocess
@@ -146,6 +147,20 @@ def test_a_forbidden_module_is_its_stand_in_by_every_route(tmp_path):
     result = run_inside(tmp_path, code, overlays)
     assert result.status == "ok", result.stderr
     assert result.stdout.split("\n")[:2] == ["True 1", f"{guard.MARKER} minidist.parallel.ddp"]
+
+
+def test_a_stand_in_keeps_a_subclass_of_the_same_module_once():
+    """``LocalSGD(DiLoCo)``: the stand-in of ``local_sgd.diloco`` names its own ``DiLoCo`` as the
+    base, once, and never the real one (a9's helper found "duplicate base class DiLoCo": the base
+    was listed both by name and as an import of the real module)."""
+    module = importlib.import_module("minidist.parallel.local_sgd.diloco")
+    source = stubs.stand_in(module, ["minidist.parallel.local_sgd"], "refused here")
+    namespace: dict = {}
+    exec(compile(source, "stand_in", "exec"), namespace)
+    assert namespace["LocalSGD"].__bases__ == (namespace["DiLoCo"],)
+    assert "local_sgd.diloco', fromlist=['DiLoCo']" not in source
+    with pytest.raises(PermissionError):
+        namespace["LocalSGD"](None, None, None, 1)
 
 
 def test_a_forbidden_package_with_a_command_line_gets_a_stand_in_without_running_it(tmp_path, capsys):
