@@ -40,8 +40,8 @@ ASSIGNMENT = Assignment.of(
     timeout=60,
     student_code="resilient.py",
     deadlock_hint=(
-        "Every receive needs a matching send: does any rank wait for a peer that waits too -- for "
-        "example a blocking send of a gradient larger than a pipe's buffer that its receiver has not "
-        "posted a receive for?"
+        "A deadlock? Every receive needs a matching send: does any rank wait for a peer that waits "
+        "too -- for example a blocking send of a gradient larger than a pipe's buffer that its "
+        "receiver has not posted a receive for?"
     ),
 )

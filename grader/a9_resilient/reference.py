@@ -241,14 +241,62 @@ def time_to_target(spec: dict, trajectory: list[torch.Tensor], traffic: list[lis
     )
 
 
+def traffic_floor(spec: dict, design: dict) -> list[tuple[int, int]]:
+    """The least cumulative (bytes, messages) rank 0 can have sent by each inner step: every launch
+    of fragment f (n_f float64 values) that has been *applied* by then -- launched at s, applied
+    after s + tau -- needs rank 0's n_f values on the other worker (no averaging to 1e-11 works
+    with fewer bytes) in at least one message. The time is scored on max(counted, floor), so
+    counters that are forged, or a rank 0 that replays the other worker instead of exchanging, win
+    nothing below the design's own floor."""
+    h, frags, tau = design["inner_steps"], design["fragments"], design["delay"]
+    n = spec["inputs"] * spec["outputs"] + spec["outputs"]
+    sizes = [(f + 1) * n // frags - f * n // frags for f in range(frags)]
+    floor, nbytes, messages = [], 0, 0
+    for t in range(1, spec["steps"] + 1):
+        launched = t - tau
+        if launched >= 1:
+            for f in due_at(h, frags, launched):
+                nbytes, messages = nbytes + 8 * sizes[f], messages + 1
+        floor.append((nbytes, messages))
+    return floor
+
+
+def checked_design(spec: dict, design: dict) -> dict:
+    """The design again on the trusted side: bounded, so that the simulation stays small."""
+    n = spec["inputs"] * spec["outputs"] + spec["outputs"]
+    h, frags, tau = design["inner_steps"], design["fragments"], design["delay"]
+    if not (1 <= h <= spec["steps"] and 1 <= frags <= min(h, n) and 0 <= tau < h):
+        raise AssertionError(
+            f"design() {design}: needs 1 <= inner_steps <= {spec['steps']}, 1 <= fragments <= "
+            f"min(inner_steps, {n}), 0 <= delay < inner_steps"
+        )
+    return design
+
+
+def checked_traffic(traffic: list[list[int]]) -> list[tuple[int, int]]:
+    """The transport's cumulative counters as rank 0 reported them: never negative, never falling."""
+    last = (0, 0)
+    for t, (nbytes, messages) in enumerate(traffic, start=1):
+        if nbytes < last[0] or messages < last[1]:
+            raise AssertionError(
+                f"the transport's counters fell after inner step {t}: {traffic[t - 2]} -> "
+                f"{[nbytes, messages]}: they count what was sent and cannot fall"
+            )
+        last = (nbytes, messages)
+    return [tuple(pair) for pair in traffic]
+
+
 def check_measured(spec: dict, world: int):
     def check(outs: list[dict]) -> float:
-        design = outs[0]["design"]
+        design = checked_design(spec, outs[0]["design"])
         want = simulate(dict(spec, **design, flush=False), world)
         for t, (got, ref) in enumerate(zip(outs[0]["trajectory"], want["trajectory"][0], strict=True), 1):
             _close(
                 got, ref, f"the measured run (design() {design}): rank 0's parameters after inner step {t}"
             )
-        return time_to_target(spec, outs[0]["trajectory"], outs[0]["traffic"], world)
+        counted = checked_traffic(outs[0]["traffic"])
+        floor = traffic_floor(spec, design)
+        traffic = [[max(c[0], f[0]), max(c[1], f[1])] for c, f in zip(counted, floor, strict=True)]
+        return time_to_target(spec, outs[0]["trajectory"], traffic, world)
 
     return check

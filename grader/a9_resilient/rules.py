@@ -4,8 +4,9 @@ The assignment is to write Streaming DiLoCo's synchronisation (the outer Nestero
 fragment schedule, the delayed apply) and the fault-tolerant step's gradient exchange and average,
 so the code that already does them is off limits: the library's local SGD and DiLoCo
 (``minidist.parallel.local_sgd``, every function), the fault-tolerant step's ``exchange`` and
-``average_in_order`` (``minidist.parallel.elastic.step``), ``torch.optim.SGD`` and its functional
-``torch.optim.sgd.sgd`` (the outer step *is* Nesterov SGD), and ``torch.distributed``.
+``average_in_order`` (``minidist.parallel.elastic.step``) and ``elastic.replay`` (it sums in the
+same order), ``torch.optim.SGD``, its functional ``torch.optim.sgd.sgd`` and the kernels behind it
+(the outer step *is* Nesterov SGD), and ``torch.distributed``.
 
 Allowed: ``comm.send``, ``recv``, ``isend``, ``irecv`` and, for the pseudo-gradient's average,
 ``md.allreduce`` -- communication is lecture 2's lesson, not this one; the grader checks the
@@ -17,9 +18,8 @@ Plain data, read by the intake check (``grader/forbidden.py``) and by the run ti
 """
 
 #: modules whose every function (and every method of their classes) is refused: none as a module --
-#: the sandbox's stand-in of ``minidist.parallel.local_sgd`` (``grader/stubs.py``) repeats the base
-#: of ``LocalSGD(DiLoCo)`` and does not import; the package is refused at intake (``REFUSED_IMPORTS``,
-#: and by name below) and its functions one by one at run time (``workers.student`` loads it first)
+#: the package ``minidist.parallel.local_sgd`` is refused at intake (``REFUSED_IMPORTS``, and by
+#: name below) and its functions one by one at run time (``workers.student`` loads it first)
 FORBIDDEN_MODULES = ()
 
 #: other qualified names that are refused
@@ -38,11 +38,17 @@ FORBIDDEN_NAMES = (
     "minidist.parallel.elastic.step.exchange",
     "minidist.parallel.elastic.step.average_in_order",
     "minidist.parallel.elastic.average_in_order",
+    "minidist.parallel.elastic.replay",  # sums the contributors in slot order too: an average by proxy
+    "minidist.parallel.elastic.replay.replay",
     "torch.optim.SGD",
     "torch.optim.SGD.__init__",  # the class itself is refused at intake; at run time, its methods
     "torch.optim.SGD.step",
     "torch.optim.sgd.SGD",
     "torch.optim.sgd.sgd",
+    "torch.optim.sgd._single_tensor_sgd",  # the kernels behind it (intake's private-name rule too)
+    "torch.optim.sgd._multi_tensor_sgd",
+    "torch.optim.sgd._fused_sgd",
+    "torch._fused_sgd_",
 )
 
 #: modules a submission may not import at all (intake only)

@@ -280,16 +280,17 @@ def quorum(comm, spec: dict) -> dict:
 DESIGN_KEYS = ("inner_steps", "fragments", "delay", "mix", "outer_lr", "outer_momentum")
 
 
-def design_of(resilient) -> dict:
+def design_of(resilient, steps: int, numel: int) -> dict:
     """The student's ``design()`` (a dict of ``DESIGN_KEYS``), checked, as plain numbers."""
     design = resilient.design()
     if not isinstance(design, dict) or set(design) != set(DESIGN_KEYS):
         raise ValueError(f"design() must return a dict with exactly the keys {DESIGN_KEYS}, got {design!r}")
     out = {k: int(design[k]) for k in DESIGN_KEYS[:3]} | {k: float(design[k]) for k in DESIGN_KEYS[3:]}
     h, f, tau = out["inner_steps"], out["fragments"], out["delay"]
-    if not (1 <= f <= h and 0 <= tau < h and 0.0 <= out["mix"] < 1.0):
+    if not (1 <= f <= h <= steps and f <= numel and 0 <= tau < h and 0.0 <= out["mix"] < 1.0):
         raise ValueError(
-            f"design() needs 1 <= fragments <= inner_steps, 0 <= delay < inner_steps, 0 <= mix < 1: {out}"
+            f"design() needs 1 <= fragments <= inner_steps <= {steps} (the run's steps), fragments <= "
+            f"{numel} (the parameters), 0 <= delay < inner_steps, 0 <= mix < 1: {out}"
         )
     return out
 
@@ -298,7 +299,7 @@ def measured(comm, spec: dict) -> dict:
     """The measured run: ``spec["steps"]`` inner steps with the student's ``design()``; rank 0 reports
     its parameters after every step and the transport's cumulative bytes and messages."""
     resilient = student()
-    design = design_of(resilient)
+    design = design_of(resilient, spec["steps"], spec["inputs"] * spec["outputs"] + spec["outputs"])
     params = regression_params(spec)
     sync = resilient.StreamingSync(StudentComm(comm), params, **design)
     trajectory, traffic = [], []

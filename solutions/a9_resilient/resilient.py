@@ -12,10 +12,10 @@ write their hearts yourself:
   average over the contributors, plugged into the library's ``elastic.FaultTolerant``, which
   the grader runs while it SIGKILLs ranks.
 
-The rules, in lecture 11's words:
+The rules, as lecture 11 states them:
 
 - **The outer step** (torch.optim.SGD's convention, dampening 0): the pseudo-gradient
-  delta = (1/p) sum_i (theta - theta_i) is treated as the gradient of the global parameters::
+  delta = (1/p) sum_i (theta - theta_i), the pseudo-gradient, takes a gradient's place::
 
       v     <- mu v + delta                     (momentum buffer, starts at 0)
       theta <- theta - lr (delta + mu v)        (Nesterov: look one momentum step ahead)
@@ -36,7 +36,8 @@ The rules, in lecture 11's words:
 - **What you may use**: ``comm.send``, ``recv``, ``isend``, ``irecv``, and for the pseudo-gradient's
   average ``md.allreduce`` (communication is lecture 2's lesson, not this one); plain torch. Not
   the library's DiLoCo (``minidist.parallel.local_sgd``), its fault-tolerant step's exchange and
-  average, ``torch.optim.SGD`` (the outer step *is* Nesterov SGD) nor ``torch.distributed``.
+  average, ``elastic.replay`` (it sums in the same order), ``torch.optim.SGD`` and the functions
+  behind it (the outer step *is* Nesterov SGD) nor ``torch.distributed``.
 """
 
 from __future__ import annotations

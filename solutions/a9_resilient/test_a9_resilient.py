@@ -2,8 +2,8 @@
 
     python -m pytest -q test_a9_resilient.py
 
-``nesterov_step_`` on numbers worked by hand; ``fragments_due`` against the picture of lecture 11
-(H = 4, F = 2). ``StreamingSync`` on 2 workers (``a9_run``: H 4, 2 fragments, delay 1, mix 0.5,
+``nesterov_step_`` on numbers worked by hand; ``fragments_due`` against a small schedule
+worked by hand (H = 4, F = 2). ``StreamingSync`` on 2 workers (``a9_run``: H 4, 2 fragments, delay 1, mix 0.5,
 ending with an average in flight) against ``a9_run.one_process`` after every inner step and after
 ``flush``. ``exchange`` and ``average`` inside the library's ``FaultTolerant`` on 3 ranks over
 pipes with a gradient over a pipe's 1 MiB buffer and one rank SIGKILLed before step 1's exchange:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 from grader import forbidden
@@ -116,6 +117,34 @@ def test_the_measured_levels_separate_the_designs():
     assert round(measured_ms(solution_module().design()), 3) == 7.144 < best
 
 
+def test_forged_or_missing_traffic_scores_no_better_than_the_designs_floor():
+    """The reviewer's forgeries: counters patched to read 0, or a rank 0 that replays the other
+    worker and sends nothing. The check scores max(counted, floor): each launch applied by step t
+    costs its fragment's float64 values and one message -- the honest ring sends the same bytes in
+    two messages, so a forgery gains the latency of one message a launch, nothing more."""
+    design = solution_module().design()
+    spec = dict(cases.MEASURED)
+    run = reference.simulate(dict(spec, **design, flush=False), 2)
+    reached = next(
+        t
+        for t, flat in enumerate(run["trajectory"][0], 1)
+        if workers.heldout_loss(spec, 2, flat) <= spec["target"]
+    )
+    floor = reference.traffic_floor(spec, design)
+    launches = reached // design["inner_steps"]  # F = 1, tau = 0: the whole model every H steps
+    assert floor[reached - 1] == (8 * 600 * launches, launches)
+    zeros = [[0, 0]] * spec["steps"]
+    outs = [{"design": design, "trajectory": run["trajectory"][0], "traffic": zeros}]
+    forged = reference.check_measured(spec, 2)(outs)
+    assert forged == pytest.approx(measured_ms(design) - 0.5 * launches)  # 7.144 ms less 1 message a launch
+    falling = [[100, 2]] * 10 + [[0, 0]] * (spec["steps"] - 10)
+    with pytest.raises(AssertionError, match="counters fell"):
+        reference.check_measured(spec, 2)([dict(outs[0], traffic=falling)])
+    huge = dict(design, inner_steps=10**9, fragments=10**9)
+    with pytest.raises(AssertionError, match="inner_steps <= 200"):
+        reference.check_measured(spec, 2)([dict(outs[0], design=huge)])
+
+
 def test_the_drawn_cases_cover_what_the_librarys_tests_miss():
     for seed in range(5):
         overlap = cases.streaming_spec(seed, 3, "overlap")
@@ -136,6 +165,8 @@ def test_intake_refuses_the_library_and_torchs_sgd():
         "from minidist.parallel import local_sgd\n": "local_sgd",
         "from minidist.parallel.elastic.step import exchange\n": "exchange",
         "from minidist.parallel import elastic\nelastic.average_in_order([])\n": "average_in_order",
+        "from minidist.parallel import elastic\nelastic.replay([], None, None)\n": "replay",
+        "import torch\ntorch._fused_sgd_\n": "_fused_sgd_",
         "import torch.distributed\n": "torch.distributed",
     }
     for source, name in refused.items():

@@ -19,9 +19,11 @@
   pending test fails: 54;
 * ``gus``: a weaker design (DiLoCo with the paper's outer step, H = 10): 15.2 ms, the second tier
   (5 of 10): 55;
-* ``forger`` (hostile): gus's design, and its communicator's ``stats`` made to report no traffic:
-  the grader reads the transport's own counters, which the submission never holds: gus's value
-  and tier, 55.
+* ``forger`` (hostile): gus's design, and the class the transport keeps its counters in patched
+  so that bytes and messages read 0 (reached through ``type(comm.stats)``, a name intake does not
+  follow): the grader scores the time on max(counted, the design's floor) -- every applied launch
+  needs the fragment's values sent in at least one message -- so the forgery gains only what an
+  exchange of one message a launch would: 12.216 ms against gus's 15.216, still the second tier, 55.
 
 ``LOST`` lists the hidden tests each one fails; ``EXPECTED`` the status and score each must get on
 all the hidden tests (``expected_score`` for a subset). The submissions are generated from
@@ -81,9 +83,9 @@ WEAKER = '"inner_steps": 10, "fragments": 1, "delay": 0, "mix": 0.0, "outer_lr":
 PENDING_LINE = (
     "        self.pending: list[tuple[int, int, torch.Tensor]] = []  # (apply after, fragment, average)\n"
 )
-FORGE = """        its_class = type(comm)
-        nothing = type(comm.stats)(0, 0, 0, 0)
-        its_class.stats = property(lambda anyone: nothing)  # no traffic, says the communicator
+FORGE = """        counts = type(comm.stats)  # the class the transport keeps its own counters in
+        counts.bytes_sent = property(lambda anyone: 0, lambda anyone, value: None)
+        counts.messages_sent = property(lambda anyone: 0, lambda anyone, value: None)
 """
 
 

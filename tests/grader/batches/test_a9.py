@@ -5,7 +5,7 @@ One batch on the subset of hidden tests that tells the examples of
 flight (the forgotten flush), the elastic run with a gradient over a pipe's buffer and a death in
 the middle of the exchange (the blocking sender deadlocks there, the average over every member
 fails the replay), and the measured time to target (a weaker design earns the second tier, and so
-does the same design with forged communicator stats: the transport's counters are read). One is
+does the same design with the transport's counters patched to read 0: scored on the design's floor). One is
 refused at intake (``torch.optim.SGD``). The solution and the stub on every hidden test:
 ``test_solutions_and_stubs.py``.
 """
@@ -31,7 +31,7 @@ def test_the_subset_is_in_the_case_table():
 
 @pytest.mark.timeout(400)
 def test_the_examples_get_their_scores(tmp_path):
-    out, book = grade_examples("a9_resilient", make, SUBSET, tmp_path, "--test-timeout", "30")
+    out, book = grade_examples("a9_resilient", make, SUBSET, tmp_path, "--test-timeout", "60")
     check_expected_scores(book, make, SUBSET_NAMES)
     assert "torch.optim.SGD" in book["tom"]["reason"]
     dan = json.loads((out / "dan" / "results.json").read_text())
@@ -44,6 +44,7 @@ def test_the_examples_get_their_scores(tmp_path):
         measured[student] = results["extra_data"]["measured"][make.MEASURED]
     # counted by the transport and emulated, not timed: the values stored where they were written
     # (ms: steps x 0.1152 + bytes / 12.5 MB/s + messages x 0.5 ms)
-    stored = {"alice": 7.144, "lena": 7.144, "gus": 15.216, "forger": 15.216}
+    # forger: counters patched to 0, scored on the design's floor (one message a launch, not two)
+    stored = {"alice": 7.144, "lena": 7.144, "gus": 15.216, "forger": 12.216}
     assert {student: round(value, 3) for student, value in measured.items()} == stored, measured
     assert float(book["lena"]["similarity"]) > float(book["alice"]["similarity"])
