@@ -230,3 +230,54 @@ def transcript(comm: StudentComm) -> dict:
 def traffic(comm: StudentComm) -> dict[str, list[int]]:
     """A copy of ``comm``'s per-peer counters (for the worker's report to the trusted side)."""
     return comm._traffic.as_dict()
+
+
+class CounterSeal:
+    """The transport's own counters, read only if nothing of them changed since the seal was made.
+
+    A submission runs in the process whose transport counts its bytes, so it could patch the
+    classes that count (``type(comm.stats).bytes_sent = property(lambda s: 0, ...)``, a
+    transport's ``_count``) through names the intake check does not follow. Make the seal when the
+    worker module is imported, before the student's module is: it keeps the attributes of
+    ``CommStats`` and of every class of ``minidist.transport``; ``sent(comm)`` compares them (and
+    the classes of ``comm`` and its stats) before it reads, and refuses a changed one.
+    """
+
+    def __init__(self) -> None:
+        import inspect
+        import sys
+
+        import minidist.comm
+        import minidist.transport  # noqa: F401  (loads the transport modules)
+        import minidist.transport.emulated  # noqa: F401
+
+        classes = {minidist.comm.CommStats}
+        for name, module in list(sys.modules.items()):
+            if name == "minidist.comm" or name.startswith("minidist.transport"):
+                classes.update(
+                    c for _, c in inspect.getmembers(module, inspect.isclass) if c.__module__ == name
+                )
+        self._stats_class = minidist.comm.CommStats
+        self._sealed = {cls: dict(vars(cls)) for cls in classes}
+
+    def check(self, comm) -> None:
+        stats = comm.stats
+        owners = [c for c in type(comm).__mro__ if c.__module__.startswith("minidist.")]
+        for cls in [*owners, type(stats)]:
+            if cls not in self._sealed:
+                raise AssertionError(f"the transport's counters are read from {cls!r}, which was not sealed")
+            if dict(vars(cls)) != self._sealed[cls]:
+                changed = sorted(k for k in set(vars(cls)) | set(self._sealed[cls])
+                                 if vars(cls).get(k) is not self._sealed[cls].get(k))  # fmt: skip
+                raise AssertionError(
+                    f"the transport's counters were tampered with: {cls.__name__}.{', '.join(changed)} "
+                    "changed while the submission ran; the measured value is not read"
+                )
+        if type(stats) is not self._stats_class:
+            raise AssertionError("the transport's counters were replaced while the submission ran")
+
+    def sent(self, comm) -> tuple[int, int]:
+        """(bytes, messages) this rank's transport has sent, once ``check`` passes."""
+        self.check(comm)
+        stats = comm.stats
+        return int(stats.bytes_sent), int(stats.messages_sent)

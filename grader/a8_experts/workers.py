@@ -22,15 +22,16 @@ from torch import nn
 if __package__:  # under pytest: grader.a8_experts.workers
     from .. import guard
     from ..seeding import seeded_
-    from ..student_comm import StudentComm
+    from ..student_comm import CounterSeal, StudentComm
     from . import rules
 else:  # in the grading sandbox, where these files are copied side by side
     import guard
     import rules
     from seeding import seeded_
-    from student_comm import StudentComm
+    from student_comm import CounterSeal, StudentComm
 
 STUDENT_MODULE = "experts"
+COUNTERS = CounterSeal()  # made now, before the student's module is imported
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "int64": torch.int64}
 
 
@@ -56,7 +57,7 @@ def draw(shape, dtype: str, *keys: int) -> torch.Tensor:
 
 
 def sent(comm) -> tuple[int, int]:
-    return int(comm.stats.bytes_sent), int(comm.stats.messages_sent)
+    return COUNTERS.sent(comm)
 
 
 # --- task 1 ------------------------------------------------------------------------------------

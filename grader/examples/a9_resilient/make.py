@@ -21,9 +21,10 @@
   (5 of 10): 55;
 * ``forger`` (hostile): gus's design, and the class the transport keeps its counters in patched
   so that bytes and messages read 0 (reached through ``type(comm.stats)``, a name intake does not
-  follow): the grader scores the time on max(counted, the design's floor) -- every applied launch
-  needs the fragment's values sent in at least one message -- so the forgery gains only what an
-  exchange of one message a launch would: 12.216 ms against gus's 15.216, still the second tier, 55.
+  follow): the seal made before the submission was imported (``student_comm.CounterSeal``) sees
+  the class changed, and every test that reads the counters fails ("tampered with"): the three
+  streaming tests and the measured one, 30. (Had it been read, the
+  score would still use max(counted, the design's floor): 12.216 ms, the same tier as gus.)
 
 ``LOST`` lists the hidden tests each one fails; ``EXPECTED`` the status and score each must get on
 all the hidden tests (``expected_score`` for a subset). The submissions are generated from
@@ -46,6 +47,7 @@ LIBRARY = ROOT / "lib" / "minidist" / "parallel" / "elastic" / "step.py"
 
 _ALL = tuple(t.name for t in ASSIGNMENT.graded_tests(0))
 _QUORUM = tuple(name for name in _ALL if name.startswith("test_quorum"))
+_STREAMING = tuple(name for name in _ALL if name.startswith("test_streaming"))
 MEASURED = "test_time_to_target[2-shm]"
 LARGE = "test_quorum[3-large-mid-exchange]"
 PENDING = "test_streaming[2-pending-flush]"
@@ -58,11 +60,11 @@ LOST = {
     "ava": ("ok", _QUORUM),
     "fay": ("ok", (PENDING,)),
     "gus": ("ok", ()),
-    "forger": ("ok", ()),
+    "forger": ("ok", (*_STREAMING, MEASURED)),
 }
 
 #: student -> {measured test: the fraction of its points earned} (the others: all or nothing)
-PARTIAL = {"gus": {MEASURED: 0.5}, "forger": {MEASURED: 0.5}}
+PARTIAL = {"gus": {MEASURED: 0.5}}
 
 
 def expected_score(student: str, tests: list[str] | None = None) -> float:

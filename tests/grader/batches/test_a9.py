@@ -5,7 +5,7 @@ One batch on the subset of hidden tests that tells the examples of
 flight (the forgotten flush), the elastic run with a gradient over a pipe's buffer and a death in
 the middle of the exchange (the blocking sender deadlocks there, the average over every member
 fails the replay), and the measured time to target (a weaker design earns the second tier, and so
-does the same design with the transport's counters patched to read 0: scored on the design's floor). One is
+the same design with the transport's counters' class patched to read 0 is refused: the seal). One is
 refused at intake (``torch.optim.SGD``). The solution and the stub on every hidden test:
 ``test_solutions_and_stubs.py``.
 """
@@ -39,12 +39,13 @@ def test_the_examples_get_their_scores(tmp_path):
     ava = json.loads((out / "ava" / "results.json").read_text())
     assert "replay" in next(t["output"] for t in ava["tests"] if t["name"] == make.LARGE)
     measured = {}
-    for student in ("alice", "lena", "gus", "forger"):
+    for student in ("alice", "lena", "gus"):
         results = json.loads((out / student / "results.json").read_text())
         measured[student] = results["extra_data"]["measured"][make.MEASURED]
     # counted by the transport and emulated, not timed: the values stored where they were written
     # (ms: steps x 0.1152 + bytes / 12.5 MB/s + messages x 0.5 ms)
-    # forger: counters patched to 0, scored on the design's floor (one message a launch, not two)
-    stored = {"alice": 7.144, "lena": 7.144, "gus": 15.216, "forger": 12.216}
+    stored = {"alice": 7.144, "lena": 7.144, "gus": 15.216}
     assert {student: round(value, 3) for student, value in measured.items()} == stored, measured
     assert float(book["lena"]["similarity"]) > float(book["alice"]["similarity"])
+    forger = json.loads((out / "forger" / "results.json").read_text())
+    assert "tampered with" in next(t["output"] for t in forger["tests"] if t["name"] == make.MEASURED)
