@@ -153,7 +153,7 @@ def streaming(comm, spec: dict) -> dict:
 
 # --- task 3 ------------------------------------------------------------------------------------
 class MomentumSGD:
-    """p <- p - lr v, v <- mu v + g: the grader's optimizer (state_dict for the recovery)."""
+    """v <- mu v + g, then p <- p - lr v: the grader's optimizer (state_dict for the recovery)."""
 
     def __init__(self, params, lr: float, mu: float) -> None:
         self.params, self.lr, self.mu = list(params), lr, mu

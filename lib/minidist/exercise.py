@@ -110,8 +110,12 @@ def switched_off(name: str, *targets: Callable | tuple[type, str]) -> Iterator[N
                     for key, value in list(getattr(module, "__dict__", {}).items())
                     if value is target
                 ]
+            owner_module = getattr(owner, "__module__", None) or ""
+            whose = (
+                "the library's" if owner_module.startswith("minidist") else f"{owner_module.split('.')[0]}'s"
+            )
             off = AssertionError(
-                f"{name} asks you to write it; the library's {label} is switched off while your function runs"
+                f"{name} asks you to write it; {whose} {label} is switched off while your function runs"
             )
             for place, key in places:
                 stack.enter_context(mock.patch.object(place, key, side_effect=off))
