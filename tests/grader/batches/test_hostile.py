@@ -15,7 +15,7 @@ The attacks on the *other* slot only mean something while alice is being graded:
 grades in sorted order of ids, ``--jobs`` slots at a time, so alice and those attackers get ids
 starting with ``0-`` (sorted first) and ``--jobs`` is their number: they all start at once.
 ``cpu_hog`` holds its slot until ``--timeout`` (its own imports get a 150th of its group's CPU
-share), which is the floor of the batch's time: 60 s, a few times what alice needs beside it.
+share), which is the floor of the batch's time: 40 s, five times what alice needs beside it.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ class Batch:
             "a1_collectives",
             str(self.submissions),
         ]
-        self.command += ["--out", str(self.out), "--seed-key", KEY, "--test-timeout", "30", "--timeout", "60"]
+        self.command += ["--out", str(self.out), "--seed-key", KEY, "--test-timeout", "30", "--timeout", "40"]
         self.command += ["--jobs", str(1 + len(BESIDE) if PROTECTED else 2)]
         for pattern in TESTS:
             self.command += ["--tests", pattern]
