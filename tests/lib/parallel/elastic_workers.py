@@ -86,7 +86,7 @@ def elastic_worker(comm, total_steps: int, kills: dict, pid_dir: str):
 
     Besides the library's points: "startup" (before the first ask), "joiner_mid_recv" (at
     "joiner_recovering", after reading 256 KiB of the donor's state) and "hang:<point>" (sleep
-    there instead of dying). Each commit's arrival time
+    there instead of dying; "hang:startup" too). Each commit's arrival time
     is appended to ``pid_dir/<slot>.<incarnation>.commits`` (for the detection time)."""
     slot, incarnation = elastic.identity()
     with open(os.path.join(pid_dir, f"{slot}.{incarnation}.pid"), "w") as f:
@@ -94,6 +94,8 @@ def elastic_worker(comm, total_steps: int, kills: dict, pid_dir: str):
     point_to_die, step_to_die = kills.get((slot, incarnation), ("", -1))  # None: AttributeError
     if point_to_die == "startup":
         _die(pid_dir, slot, incarnation)
+    if point_to_die == "hang:startup":
+        _hang(pid_dir, slot, incarnation)
     model, optimizer = make_model()
     commits = open(os.path.join(pid_dir, f"{slot}.{incarnation}.commits"), "a")
 
@@ -109,9 +111,7 @@ def elastic_worker(comm, total_steps: int, kills: dict, pid_dir: str):
         if point == point_to_die:
             _die(pid_dir, slot, incarnation)
         if point_to_die == "hang:" + point:
-            with open(os.path.join(pid_dir, f"{slot}.{incarnation}.hung"), "w") as f:
-                f.write(repr(time.monotonic()))
-            time.sleep(600)  # alive but stuck: nobody sees end-of-file
+            _hang(pid_dir, slot, incarnation)
 
     ft = elastic.FaultTolerant(comm, model, optimizer, total_steps, on_point=on_point)
     while ft.step < total_steps:
@@ -125,6 +125,13 @@ def elastic_worker(comm, total_steps: int, kills: dict, pid_dir: str):
         "recoveries": ft.recoveries,
         "recovered_bytes": ft.recovered_bytes,
     }
+
+
+def _hang(pid_dir: str, slot: int, incarnation: int) -> None:
+    """Alive but stuck: nobody sees end-of-file. When it began: ``<slot>.<incarnation>.hung``."""
+    with open(os.path.join(pid_dir, f"{slot}.{incarnation}.hung"), "w") as f:
+        f.write(repr(time.monotonic()))
+    time.sleep(600)
 
 
 def large_gradient_worker(comm, features: int):

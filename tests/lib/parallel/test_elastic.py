@@ -191,6 +191,33 @@ def test_with_a_step_timeout_a_stuck_rank_is_killed_and_training_goes_on(tmp_pat
     print(f"hang -> survivors' commit of that step: {commit - hung:.2f} s (step_timeout 1 s)")
 
 
+def test_with_a_start_timeout_a_replacement_stuck_in_its_setup_is_killed(tmp_path):
+    """Policy(start_timeout=3): slot 1 dies in step 1's exchange; its replacement 1.1 hangs before
+    its first ask (setup), which no step_timeout sees (it is not a member yet) and the quorum
+    waits for; it is killed 3 s after its start, 1.2 recovers and training goes on at 3."""
+    kills = {(1, 0): ("mid_allreduce", 1), (1, 1): ("hang:startup", -1)}
+    policy = elastic.Policy(min_size=2, max_restarts=2, start_timeout=3.0)
+    outs = md.launch(
+        ew.elastic_worker, world_size=3, args=(4, kills, str(tmp_path)), transport="pipe",
+        timeout=60, elastic=policy,
+    )  # fmt: skip
+    three = [0, 1, 2]
+    expected = [three, [0, 2], three, three]
+    assert outs[1]["incarnation"] == 2 and outs[1]["recoveries"] == 1
+    model, _ = replay(expected)
+    for out in outs:
+        assert out["history"] == expected
+        for got, ref in zip(out["params"], model.parameters(), strict=True):
+            assert torch.equal(got, ref.detach())
+    for name in (n for n in os.listdir(tmp_path) if n.endswith(".pid")):
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(open(tmp_path / name).read()), 0)
+    hung = float(open(tmp_path / "1.1.hung").read())
+    lines = [line.split() for line in open(tmp_path / "0.0.commits").read().splitlines()]
+    commit = max(float(when) for step, when in lines if step == "2")  # step 2's training round
+    print(f"stuck start -> the next training step's commit: {commit - hung:.2f} s (start_timeout 3 s)")
+
+
 def test_bad_uses_say_what_to_do():
     with pytest.raises(ValueError, match="transport='pipe'"):
         md.launch(ew.elastic_worker, world_size=2, transport="shm", elastic=elastic.Policy())
@@ -198,6 +225,8 @@ def test_bad_uses_say_what_to_do():
         elastic.Policy(min_size=0)
     with pytest.raises(ValueError, match="step_timeout"):
         elastic.Policy(step_timeout=0)
+    with pytest.raises(ValueError, match="start_timeout"):
+        elastic.Policy(start_timeout=float("nan"))
     with pytest.raises(ValueError, match="larger than world_size"):
         md.launch(ew.elastic_worker, world_size=2, transport="pipe", elastic=elastic.Policy(min_size=3))
     with pytest.raises(RuntimeError, match="elastic launch"):

@@ -67,7 +67,11 @@ member still silent s seconds after every other member of the phase has spoken, 
 on it is a death like any other (a replacement may take the slot). A hang thus costs about 2 s:
 measured 2.02-2.04 s from the hang to the survivors' commit at s = 1 (three runs). s must exceed
 the spread of the ranks' step times (compute, exchange, a recovery's state): a rank that slow is
-killed as stuck. Both are tested.
+killed as stuck. Both are tested. A process that hangs *before* its first ask (a replacement
+stuck in its setup) is not a member yet, so ``step_timeout`` does not see it: the quorum waits
+for it (or, without ``wait_for_replacements``, the launch waits for it at the end).
+``Policy(start_timeout=s)`` kills a rank that has not asked within s seconds of its start (tested:
+a replacement that hangs at startup is killed, the next one recovers).
 
 Cost per training step: each member sends its gradient to k - 1 peers, (k - 1) x the gradient's
 bytes (an all-gather, not a ring allreduce: k / 2 times the bytes of a ring, the price of a
@@ -103,12 +107,19 @@ class Policy:
             in LaunchTimeout; seconds: a receive gives up on a peer after that long, and a member
             still silent that long after all others spoke is killed (then handled as a death):
             a hang costs about 2 x step_timeout. Choose it above a step's compute + exchange.
+        start_timeout: None (default): a rank that never asks for its first quorum (stuck in its
+            setup: loading data, building the model) is waited for, and ends the launch in
+            LaunchTimeout; seconds: a rank, started with the launch or a replacement, that has
+            not asked within that long of its start is killed (then handled as a death). Choose
+            it above a process's start and setup. ``step_timeout`` does not cover this: a
+            process still starting is not a member yet.
     """
 
     min_size: int = 1
     max_restarts: int = 0
     wait_for_replacements: bool = True
     step_timeout: float | None = None
+    start_timeout: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("min_size", "max_restarts"):
@@ -117,11 +128,12 @@ class Policy:
                 raise ValueError(
                     f"Policy({name}=...) must be an int >= {int(name == 'min_size')}, got {value!r}"
                 )
-        timeout = self.step_timeout
-        if timeout is not None and (
-            isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0
-        ):
-            raise ValueError(f"Policy(step_timeout=...) must be None or seconds > 0, got {timeout!r}")
+        for name in ("step_timeout", "start_timeout"):
+            timeout = getattr(self, name)
+            if timeout is not None and (
+                isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+            ):
+                raise ValueError(f"Policy({name}=...) must be None or seconds > 0, got {timeout!r}")
 
     def _launch(self, fn, world_size: int, args: tuple, kwargs: dict, **options) -> list:
         """Called by ``md.launch`` (which does not import this package): see ``launcher.py``."""

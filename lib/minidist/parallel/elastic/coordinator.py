@@ -23,7 +23,9 @@ then give up on a peer after ``step_timeout`` s (its gradient is not held), so t
 a member still silent ``step_timeout`` s after every other member of the phase has spoken is
 ``overdue``, and the launcher kills it -- from there on it is a death like any other. So is a
 member that spoke but whose gradient some survivor gave up on (slow, not stuck): its late message
-would still be in the pipes. A hang is thus detected in about 2 x ``step_timeout``.
+would still be in the pipes. A hang is thus detected in about 2 x ``step_timeout``. A process
+that never asks (stuck while starting) is not a member of any phase: ``start_timeout`` kills it
+once it has been alive that long without asking.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class Member:
     registered: bool = False  # has asked at least once (a starting replacement has not)
     report: object = None
     peers: set = field(default_factory=set)  # (slot, incarnation) it has pipes with
+    started: float = field(default_factory=time.monotonic)  # when its process was started
 
 
 def send_with_fds(control: Connection, message: object, fds: list[int]) -> None:
@@ -79,11 +82,16 @@ class Coordinator:
     """The state machine of the quorum (see the module docstring). ``min_size``: see Policy."""
 
     def __init__(
-        self, min_size: int, wait_for_replacements: bool = True, step_timeout: float | None = None
+        self,
+        min_size: int,
+        wait_for_replacements: bool = True,
+        step_timeout: float | None = None,
+        start_timeout: float | None = None,
     ) -> None:
         self.min_size = min_size
         self.wait_for_replacements = wait_for_replacements
         self.step_timeout = step_timeout
+        self.start_timeout = start_timeout
         self.last_spoke = time.monotonic()  # when the phase began or a member last spoke in it
         self.too_slow: set[int] = set()  # slots that spoke but whose gradient was given up on
         self.members: dict[int, Member] = {}  # slot -> its latest incarnation
@@ -137,7 +145,15 @@ class Coordinator:
                 self._commit(in_round)
 
     def overdue(self) -> list[int]:
-        """Slots to kill as stuck (see the module docstring); [] without a ``step_timeout``."""
+        """Slots to kill as stuck (see the module docstring); [] without the timeouts."""
+        late = []
+        if self.start_timeout is not None:  # never asked, alive longer than start_timeout
+            now = time.monotonic()
+            late = [m.slot for m in self.live() if not m.registered and now - m.started > self.start_timeout]
+        return sorted({*late, *self._silent()})
+
+    def _silent(self) -> list[int]:
+        """Members stuck in a phase (``step_timeout``); [] without it."""
         if self.step_timeout is None:
             return []
         slow, self.too_slow = sorted(self.too_slow), set()

@@ -73,7 +73,9 @@ def launch_elastic(policy, fn, world_size, args, kwargs, *, transport, start_met
     shared, _ = transports.setup("pipe", world_size)
     stack_dir = tempfile.mkdtemp(prefix="minidist-stacks-")
     forwarder = OutputForwarder() if forward_output else None
-    coordinator = Coordinator(policy.min_size, policy.wait_for_replacements, policy.step_timeout)
+    coordinator = Coordinator(
+        policy.min_size, policy.wait_for_replacements, policy.step_timeout, policy.start_timeout
+    )
     procs: dict[int, tuple] = {}  # slot -> (process, result reader, control) of the latest incarnation
     every_process, to_close = [], []
 
@@ -157,13 +159,13 @@ def _serve(coordinator, procs, policy, start, timeout, stack_dir, world_size) ->
             processes = {s: procs[s][0] for s in stuck}
             files = {s: f"{stack_dir}/rank{s}.txt" for s in stuck}
             raise LaunchTimeout(stuck, collect_stacks(processes, stuck, files), timeout)
-        for slot in coordinator.overdue():  # stuck (Policy.step_timeout): from now on, a death
+        for slot in coordinator.overdue():  # stuck (Policy's timeouts): from now on, a death
             _kill_rank(procs[slot][0])
             procs[slot][0].join(timeout=5.0)  # its pipes are closed: the others see end-of-file
             lost(slot)
-        if coordinator.step_timeout is not None:  # wake up to check for silent members
-            quarter = coordinator.step_timeout / 4
-            wait_for = quarter if wait_for is None else min(wait_for, quarter)
+        for limit in (coordinator.step_timeout, coordinator.start_timeout):
+            if limit is not None:  # wake up to check for silent members and stuck starts
+                wait_for = limit / 4 if wait_for is None else min(wait_for, limit / 4)
         watch = {}
         for slot, (process, reader, control) in procs.items():
             if coordinator.members[slot].alive:
