@@ -162,13 +162,20 @@ def run(worker, ranks: int, *args, transport: str = "shm") -> list:
     return md.launch(worker, ranks, args=args, transport=transport, timeout=60)
 
 
+def curve(setup: Setup, out: dict) -> tuple[list[float], list[float]]:
+    """Rank 0's report as (emulated ms after each step, held-out loss after it): t inner steps of
+    compute at FLOPS, the bytes sent over the link, LATENCY_S a message."""
+    compute = 6 * (setup.inputs * setup.outputs + setup.outputs) * setup.batch / FLOPS
+    ms = [
+        1e3 * (t * compute + nbytes / LINK_BYTES_PER_S + messages * LATENCY_S)
+        for t, (nbytes, messages) in enumerate(out["traffic"], start=1)
+    ]
+    return ms, [heldout_loss(setup, flat) for flat in out["trajectory"]]
+
+
 def time_to_target_ms(setup: Setup, out: dict) -> float | None:
     """The measured task's value from rank 0's report: emulated ms to the target, None if missed."""
-    compute = 6 * (setup.inputs * setup.outputs + setup.outputs) * setup.batch / FLOPS
-    for t, (flat, (nbytes, messages)) in enumerate(zip(out["trajectory"], out["traffic"]), start=1):
-        if heldout_loss(setup, flat) <= TARGET:
-            return 1e3 * (t * compute + nbytes / LINK_BYTES_PER_S + messages * LATENCY_S)
-    return None
+    return next((ms for ms, loss in zip(*curve(setup, out)) if loss <= TARGET), None)
 
 
 # --- the fault-tolerant run -------------------------------------------------------------------
@@ -258,4 +265,14 @@ def replayed(history: list[list[int]], features: int) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-__all__ = ["MEASURED", "Setup", "asdict", "one_process", "replace", "run", "run_quorum", "streaming_worker"]
+__all__ = [
+    "MEASURED",
+    "Setup",
+    "asdict",
+    "curve",
+    "one_process",
+    "replace",
+    "run",
+    "run_quorum",
+    "streaming_worker",
+]
