@@ -26,6 +26,7 @@ GRADER_MODULES = (
     "__init__.py",
     "__main__.py",
     "assignment.py",
+    "ast_lock.py",
     "conftest.py",
     "grade.py",
     "forbidden.py",

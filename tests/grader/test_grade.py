@@ -6,6 +6,7 @@ Fast: no grading batch. The batches (examples, solution, stub, resume) are ``bat
 
 from __future__ import annotations
 
+import ast
 import io
 import json
 import subprocess
@@ -159,6 +160,7 @@ def test_intake_accepts_the_solution_the_stub_and_the_honest_examples():
 GUARDED = """
 import sys
 sys.path.insert(0, sys.argv[1])
+import ast
 import io
 import torch.package
 import guard, rules
@@ -403,3 +405,21 @@ def test_isolated_grading_runs_take_turns_with_the_sandbox_users(tmp_path, monke
     assert order == ["first starts", "first ends", "second starts", "second ends"]
     with grade.sandbox_users(False):  # not isolated: no sandbox users, nothing to hold
         pass
+
+
+def test_the_gradescope_bundle_holds_every_grader_module_its_modules_import():
+    """``gradescope.GRADER_MODULES`` is a list kept by hand: a module the grader starts importing
+    must be added to it, or the bundle fails at Gradescope (found once: ``ast_lock.py``). Imports
+    at module level: a function's own (``release`` importing ``release_lectures`` for the
+    instructor's ``release`` command) never runs there."""
+    from grader import gradescope
+
+    bundled = set(gradescope.GRADER_MODULES)
+    for name in sorted(bundled):
+        tree = ast.parse((ROOT / "grader" / name).read_text())
+        for node in tree.body:
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                needed = [f"{node.module}.py"] if node.module else [f"{a.name}.py" for a in node.names]
+                for module in needed:
+                    if (ROOT / "grader" / module).is_file():
+                        assert module in bundled, f"grader/{name} imports {module}, not in GRADER_MODULES"
