@@ -80,12 +80,15 @@ TOOL_MODULES = (
     "profile",
     "cProfile",
     "torch.package",  # imports modules from strings: code the intake never reads
-    # the grader's own sandbox-side modules: the guard, the communicator wrapper, the workers
+    # the grader's own sandbox-side modules: the guard, the communicator wrapper, the workers,
+    # the seeded builders of the hidden inputs and the instruments
     "guard",
     "student_comm",
     "workers",
     "harness",
     "rules",
+    "seeding",
+    "instruments",
 )
 TOOL_BUILTINS = ("exec", "eval", "compile", "__import__", "globals", "vars", "open", "breakpoint")
 SYS_ATTRIBUTES = (

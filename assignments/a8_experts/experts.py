@@ -172,10 +172,14 @@ class ExpertParallelMoE(nn.Module):
     router's this rank's tokens' only (a replica's, as in data parallelism before averaging),
     a local expert's the sum over every rank's tokens that reached it. Use the ``router`` and
     ``experts`` you are given (the grader reads their gradients) and your ``all_to_all`` for
-    every exchange.
+    every exchange. Expert parallelism moves the tokens to the experts: in the forward, each
+    token's row (its d float64s, as they are) must reach every other rank that holds one of its
+    kept choices -- the grader reads what your communicator sent, and a layer that computes the
+    output some other way fails.
 
-    Cost, measured in task 4: the bytes the transport carries from every rank in one forward and
-    backward, over the tokens, in rows of d float64s. What travels is up to you; three layouts,
+    Cost, measured in task 4: the bytes the transport carries from every rank from building the
+    layer to the end of one forward and backward, over the tokens, in rows of d float64s. What
+    travels is up to you; three layouts,
     counted from the routing over the four exchanges (dispatch, combine, and their backward):
 
         GShard's (E, C, d) buffer, padding included           4 (p-1)/p x E x C / T

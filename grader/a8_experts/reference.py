@@ -263,16 +263,53 @@ def _check_expert_parallel(want: list[dict], outs: list[dict]) -> None:
                 _tensor(g, w, name, TOLERANCE)
 
 
+def check_rows_travelled(spec: dict, world: int, outs: list[dict]) -> None:
+    """Expert parallelism moves the tokens to the experts: in the forward (the layer's construction
+    included), every token's row -- its d float64s as they are, contiguous in some message -- went
+    from its rank to every other rank that holds one of its kept choices, and every message a rank
+    sent another in the forward was received there. A layer that rebuilds the other ranks' tokens
+    from their seeds, or ships the experts to the tokens instead, fails here."""
+    local = spec["experts"] // world
+    for q, out in enumerate(outs):
+        for r in range(world):
+            if r != q and outs[r]["forward_messages"][q] != out["forward_received"][r]:
+                _fail(
+                    f"rank {r} sent rank {q} {outs[r]['forward_messages'][q]} messages in the forward, "
+                    f"rank {q} received {out['forward_received'][r]} of them"
+                )
+    for r in range(world):
+        x = workers.tokens(spec, r)
+        chosen, _, slots = route(
+            workers.make_router(spec)(x).detach(), spec["top_k"], spec["capacity_factor"]
+        )
+        owner = chosen // local
+        for q in range(world):
+            if q == r:
+                continue
+            sent = outs[r]["forward_sent"][q]
+            if not isinstance(sent, torch.Tensor) or sent.dtype != torch.uint8:
+                _fail(f"rank {r}: its record of what it sent rank {q} is malformed")
+            blob = sent.numpy().tobytes()
+            for t in ((owner == q) & (slots >= 0)).any(1).nonzero().flatten().tolist():
+                if x[t].numpy().tobytes() not in blob:
+                    _fail(
+                        f"rank {r}'s token {t} has a kept choice among rank {q}'s experts, but its row "
+                        f"never reached rank {q} in the forward: expert parallelism sends each token "
+                        "to the ranks of its experts (lecture 10), as d float64s in a row"
+                    )
+
+
 def check_expert_parallel(spec: dict, world: int):
     def check(outs: list[dict]) -> None:
         _check_expert_parallel(one_process(spec, world), outs)
+        check_rows_travelled(spec, world, outs)
 
     return check
 
 
 def rows_per_token(spec: dict, outs: list[dict]) -> float:
-    """Bytes the transport carried in one forward and backward, every rank, per token, in rows of d
-    float64s: the measured value."""
+    """Bytes the transport carried from the layer's construction to the end of one forward and
+    backward, every rank, per token, in rows of d float64s: the measured value."""
     carried = sum(out["forward"][0] + out["backward"][0] for out in outs)
     return carried / (len(outs) * spec["tokens"] * spec["width"] * 8)
 
@@ -310,6 +347,7 @@ def levels(spec: dict, world: int) -> dict[str, float]:
 def check_bytes(spec: dict, world: int):
     def check(outs: list[dict]) -> float:
         _check_expert_parallel(one_process(spec, world), outs)
+        check_rows_travelled(spec, world, outs)
         return rows_per_token(spec, outs)
 
     return check

@@ -9,7 +9,13 @@ the grader's own instruments:
 
 * the bytes and messages the *transport* sent during each call (``comm.stats`` of the
   launcher's communicator, which the submission never holds: it gets a ``StudentComm``), so a
-  submission that rewrites what its own communicator reports changes nothing the grader reads.
+  submission that rewrites what its own communicator reports changes nothing the grader reads;
+  for the layer, from *before* it is built (a constructor that ships the experts counts) to the
+  end of the backward;
+* for the layer, the transcript of the messages its ``StudentComm`` sent (``record=True``), the
+  construction and forward apart from the backward: the trusted side checks that each token's
+  row reached, in the forward, every rank that holds one of its kept experts (a layer computed
+  without sending the tokens -- rebuilding the other ranks' inputs from their seeds -- fails).
 """
 
 from __future__ import annotations
@@ -22,13 +28,13 @@ from torch import nn
 if __package__:  # under pytest: grader.a8_experts.workers
     from .. import guard
     from ..seeding import seeded_
-    from ..student_comm import CounterSeal, StudentComm
+    from ..student_comm import CounterSeal, StudentComm, transcript
     from . import rules
 else:  # in the grading sandbox, where these files are copied side by side
     import guard
     import rules
     from seeding import seeded_
-    from student_comm import CounterSeal, StudentComm
+    from student_comm import CounterSeal, StudentComm, transcript
 
 STUDENT_MODULE = "experts"
 COUNTERS = CounterSeal()  # made now, before the student's module is imported
@@ -208,13 +214,15 @@ def expert_parallel(comm, spec: dict) -> dict:
     local = spec["experts"] // p
     router = make_router(spec)
     mine = make_experts(spec)[rank * local : (rank + 1) * local]
-    layer = experts.ExpertParallelMoE(
-        router, mine, StudentComm(comm), spec["experts"], spec["top_k"], spec["capacity_factor"]
-    )
     x = tokens(spec, rank).requires_grad_(True)
-    start = sent(comm)
+    recorded = StudentComm(comm, record=True)
+    start = sent(comm)  # before the layer is built: what its constructor sends counts
+    layer = experts.ExpertParallelMoE(
+        router, mine, recorded, spec["experts"], spec["top_k"], spec["capacity_factor"]
+    )
     y = layer(x)
     middle = sent(comm)
+    forward = transcript(recorded)
     (y * output_weights(spec, rank)).sum().backward()
     end = sent(comm)
     grad = lambda p: None if p.grad is None else p.grad.detach().clone()  # noqa: E731
@@ -225,4 +233,23 @@ def expert_parallel(comm, spec: dict) -> dict:
         "expert_grads": [[grad(q) for q in expert.parameters()] for expert in mine],
         "forward": [middle[0] - start[0], middle[1] - start[1]],
         "backward": [end[0] - middle[0], end[1] - middle[1]],
+        "forward_sent": _sent_per_peer(forward, p),
+        "forward_messages": [_messages(forward, "send", q) for q in range(p)],
+        "forward_received": [_messages(forward, "recv", q) for q in range(p)],
     }
+
+
+def _sent_per_peer(taken: dict, world: int) -> list[torch.Tensor]:
+    """The bytes of every message this rank sent to each rank, concatenated in order (uint8)."""
+    pieces: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    data = taken["data"]
+    for event in taken["events"]:
+        if event["op"] == "send":
+            size = event["numel"] * torch.empty(0, dtype=getattr(torch, event["dtype"])).element_size()
+            pieces[event["peer"]].append(data[event["offset"] : event["offset"] + size])
+    return [torch.cat(p) if p else torch.empty(0, dtype=torch.uint8) for p in pieces]
+
+
+def _messages(taken: dict, op: str, peer: int) -> int:
+    """How many messages this rank sent to ``peer`` (``op`` "send") or completed from it ("recv")."""
+    return sum(1 for event in taken["events"] if event["op"] == op and event["peer"] == peer)

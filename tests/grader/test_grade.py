@@ -119,6 +119,9 @@ REFUSED = {  # source -> what the refusal must name
     "import torch\nb = torch.UntypedStorage.from_file('x.py', False, 9)\n": "from_file",
     "import typing\nt = typing.ForwardRef('print(1)')\n": "ForwardRef",
     "class A:\n    __annotations__ = {'x=print(1)': int}\n": "__annotations__",
+    # the grader's seeded builders of the hidden inputs, and its instruments (a8's review)
+    "from seeding import seeded_\n": "seeding",
+    "import instruments\n": "instruments",
 }
 ALLOWED = [
     "import os\nos._exit(0)\n",

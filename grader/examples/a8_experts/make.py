@@ -27,7 +27,17 @@
   at intake, ``forbidden``;
 * ``forger`` (hostile): gina's padded layout, and it makes its communicator's ``stats`` report
   what once-per-rank would send: the grader reads the transport's own counters, which the
-  submission never holds: gina's value and tier, 42.5.
+  submission never holds: gina's value and tier, 42.5;
+* ``oracle`` (hostile, found by a review): no communication at all -- each rank reads the job's
+  spec in its working directory, rebuilds the other ranks' experts, tokens and loss weights from
+  the seeds (the grader's ``seeded_`` written out: importing ``seeding`` is refused) and computes
+  everything itself, adding the other ranks' share to its experts' gradients: output and
+  gradients exact, 0 bytes. The transcript check fails it (no token's row reached the ranks of
+  its experts): every layer test, 24;
+* ``prefetch`` (hostile, found by a review): ships every rank's experts to every rank while the
+  layer is built, computes the forward locally and sends the tokens only in the backward: exact,
+  and 1.998 rows a token when counting began after the constructor. Now the constructor's bytes
+  count (about 32 rows) and the rows never travelled in the forward: every layer test, 24.
 
 ``LOST`` lists the hidden tests each one fails; ``EXPECTED`` the status and score each must get
 on all the hidden tests (``expected_score`` for a subset). The submissions are generated from
@@ -43,6 +53,8 @@ from pathlib import Path
 from grader.a8_experts.grading import ASSIGNMENT
 from grader.examples import common
 from grader.examples.common import edit, write
+
+from .hostile import ORACLE, PREFETCH
 
 ROOT = Path(__file__).resolve().parents[3]
 SOLUTION = ROOT / "solutions" / "a8_experts" / "experts.py"
@@ -63,6 +75,8 @@ LOST = {
     "frank": ("forbidden", _ALL),
     "mo": ("forbidden", _ALL),
     "forger": ("ok", ()),
+    "oracle": ("ok", _LAYER),
+    "prefetch": ("ok", _LAYER),
 }
 
 #: student -> {measured test: the fraction of its points earned} (the others: all or nothing)
@@ -157,6 +171,11 @@ PAIRWISE = """        for step in range(1, p):
 """
 
 
+def replace_layer(solution: str, layer: str) -> str:
+    """The solution with its ``ExpertParallelMoE`` class (the file's last definition) replaced."""
+    return solution[: solution.index("class ExpertParallelMoE(nn.Module):")] + layer
+
+
 def forward(solution: str, body: str) -> str:
     start = solution.index(FORWARD_BEGIN) + len(FORWARD_BEGIN)
     end = solution.index(FORWARD_END, start)
@@ -198,6 +217,8 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         "forger": edit(
             gina, PADDED, PADDED.replace("        return combine(", FORGE + "        return combine(")
         ),
+        "oracle": replace_layer(solution, ORACLE),
+        "prefetch": replace_layer(solution, PREFETCH),
     }
     return {name: {FILE: text.encode()} for name, text in sources.items()}
 

@@ -7,8 +7,11 @@ router (the off-by-one capacity), and the measured bytes per token (which also h
 output and gradients to one process: the forgotten backward). The solution scores the top tier,
 a copy of the library's ExpertParallelMoE the second, GShard's padded layout the third, and so
 does a padded layout that rewrites what its communicator reports (the transport's counters are
-read); two are refused at intake (``md.all_to_all``, the library's router). The solution and the
-stub on every hidden test: ``test_solutions_and_stubs.py``.
+read); two are refused at intake (``md.all_to_all``, the library's router); two exact layers
+that never send the tokens to the experts in the forward (one rebuilds the other ranks' inputs
+from the seeds and sends nothing, one ships the experts while the layer is built) fail the
+measured test on the transcript check. The solution and the stub on every hidden test:
+``test_solutions_and_stubs.py``.
 """
 
 from __future__ import annotations
@@ -36,6 +39,10 @@ def test_the_examples_get_their_scores(tmp_path):
     check_expected_scores(book, make, SUBSET_NAMES)
     assert "all_to_all" in book["frank"]["reason"]
     assert "minidist.parallel.experts" in book["mo"]["reason"]
+    for student in ("oracle", "prefetch"):  # exact values, but the rows never travelled
+        results = json.loads((out / student / "results.json").read_text())
+        test = next(t for t in results["tests"] if t["name"] == "test_bytes_per_token[2-shm]")
+        assert "never reached rank" in test["output"], test
     dan = json.loads((out / "dan" / "results.json").read_text())
     assert "did not finish" in next(
         t["output"] for t in dan["tests"] if t["name"].startswith("test_exchange")
