@@ -16,8 +16,9 @@ The rules, the same as lecture 10's:
 - **Gates.** probs = softmax(logits) over the E experts; a token's k experts are its k largest
   probabilities, best first. k = 1: the gate is that probability (Switch); k > 1: the k
   probabilities divided by their sum (GShard, Mixtral).
-- **Capacity.** An expert takes at most C = ceil(capacity_factor x T x k / E) of the T tokens'
-  choices (``capacity``; ``capacity_factor=None``: C = T, nothing is ever dropped).
+- **Capacity.** An expert takes at most C = ceil(capacity_factor x T x k / E) of a rank's T tokens'
+  choices (``capacity``; ``capacity_factor=None``: C = T, nothing is ever dropped). On p ranks
+  every rank routes its own T tokens with this rule.
 - **Priority.** Who is kept when an expert is over capacity -- deterministic, by position: the
   earlier token (row of ``logits``) comes first, and a token's choices in order:
 
@@ -250,7 +251,7 @@ class ExpertParallelMoE(nn.Module):
         a token once to each other rank holding any of its
         kept choices                                          4 x (token, other rank) pairs / T
 
-    (the README gives the tiers; lecture 10 section 3 the layouts).
+    (the README gives the tiers; lecture 10's assignment paragraph, at its end, the layouts).
 
     Read: GShard section 2.2-2.3 and Switch section 2.2 (dispatch, combine, capacity), lecture
     10 sections 2-3.
