@@ -69,8 +69,119 @@ def _close(got, want: torch.Tensor, what: str, tolerance: float = TOLERANCE) -> 
 
 
 # --- task 1 ----------------------------------------------------------------------------------
+def _flat(tensors: list[torch.Tensor], total: int) -> torch.Tensor:
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    return torch.cat([flat, flat.new_zeros(total - flat.numel())])
+
+
+def zero2_trajectory(spec: dict) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+    """What ZeRO-2's collectives carry, step by step, from one process: per step, each rank's
+    gradient of its own rows at that step's parameters (flat, padded); per step, the parameters
+    after it (flat, padded). The steps themselves are ``one_process``'s."""
+    world = spec["ranks"]
+    total = padded(sum(unit_sizes(spec)), world)
+    blocks = workers.make_blocks(spec)
+    params = [p for b in blocks for p in b.parameters()]
+    opt = torch.optim.AdamW(params, foreach=False, **workers.ADAMW)
+    local_grads, after = [], []
+
+    def gradient(x: torch.Tensor, y: torch.Tensor) -> None:
+        opt.zero_grad()
+        for b in blocks:
+            x = b(x)
+        workers.loss_of(x, y).backward()
+
+    for step in range(spec["steps"]):
+        ranks = []
+        for rank in range(world):
+            gradient(*workers.local(spec, rank, step))
+            ranks.append(_flat([p.grad for p in params], total))
+        local_grads.append(ranks)
+        gradient(*workers.batch(spec, step))
+        opt.step()
+        after.append(_flat(list(params), total))
+    return local_grads, after
+
+
+def own_trajectory(spec: dict, outs: list[dict]) -> tuple[list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """``zero2_trajectory`` along each rank's *own* parameters (what it reported after each step,
+    right or wrong): per step, each rank's gradient of its own rows at its parameters before the
+    step; per step, its parameters after it. What its collectives must carry whatever it computed."""
+    world = spec["ranks"]
+    total = padded(sum(unit_sizes(spec)), world)
+    blocks = workers.make_blocks(spec)
+    params = [p for b in blocks for p in b.parameters()]
+    start = torch.cat([p.detach().reshape(-1) for p in params])
+    grads: list[list[torch.Tensor]] = [[] for _ in range(spec["steps"])]
+    after: list[list[torch.Tensor]] = [[] for _ in range(spec["steps"])]
+    for rank, out in enumerate(outs):
+        reported = out.get("after")
+        if not isinstance(reported, list) or len(reported) != spec["steps"]:
+            pytest.fail(f"rank {rank}: no parameters reported after each step", pytrace=False)
+        for step, flat in enumerate(reported):
+            if not isinstance(flat, torch.Tensor) or flat.shape != start.shape or flat.dtype != start.dtype:
+                pytest.fail(f"rank {rank}: malformed parameters after step {step}", pytrace=False)
+        for step in range(spec["steps"]):
+            flat = start if step == 0 else reported[step - 1]
+            with torch.no_grad():
+                offset = 0
+                for p in params:
+                    p.copy_(flat[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+            for p in params:
+                p.grad = None
+            x, y = workers.local(spec, rank, step)
+            for b in blocks:
+                x = b(x)
+            workers.loss_of(x, y).backward()
+            grads[step].append(_flat([p.grad for p in params], total))
+            after[step].append(_flat([reported[step]], total))
+    return grads, after
+
+
+def _check_zero2_contents(spec: dict, trajectory, outs: list[dict], whose: str = "one process") -> None:
+    """The reduce-scatter of step k carries this rank's gradient of its own rows (or that / N,
+    for ``op="sum"`` on a pre-divided gradient), flat in the parameters' order, padded; the
+    allgather carries this rank's shard of the parameters after step k -- along ``trajectory``:
+    one process's (``zero2_trajectory``, the values tests) or the rank's own (``own_trajectory``,
+    the communication test, right values or not). A rank that trains on data it was not given,
+    or a full AdamW on every rank, sends something else."""
+    local_grads, after = trajectory
+    world = spec["ranks"]
+    size = sum(unit_sizes(spec))
+    shard = padded(size, world) // world
+    for rank, out in enumerate(outs):
+        for step in range(spec["steps"]):
+            calls = {c["function"]: c for c in reversed(out["calls"]) if c["step"] == step}
+            where = f"rank {rank}, step {step}"
+            scatter, gather = calls.get("reduce_scatter"), calls.get("allgather")
+            if scatter is None or gather is None or "input" not in scatter or "input" not in gather:
+                pytest.fail(f"{where}: expected a reduce_scatter and an allgather in step()", pytrace=False)
+            mine = local_grads[step][rank]
+            got = scatter["input"]
+            where += f" (along {whose} parameters)" if whose == "its own" else ""
+            if got.shape != mine.shape or not any(
+                (got - want).abs().max().item() <= TOLERANCE for want in (mine, mine / world)
+            ):
+                pytest.fail(
+                    f"{where}: the reduce_scatter did not carry this rank's gradient of its own rows "
+                    "(the parameters' gradients in their order, flattened, zeros to pad)",
+                    pytrace=False,
+                )
+            lo, hi = rank * shard, min((rank + 1) * shard, size)
+            want = (after[step][rank] if whose == "its own" else after[step])[lo:hi]
+            got = gather["input"]
+            if got.numel() != shard or (hi > lo and (got[: hi - lo] - want).abs().max().item() > TOLERANCE):
+                pytest.fail(
+                    f"{where}: the allgather did not carry this rank's shard of the updated parameters "
+                    f"(flat positions {lo}..{hi} after the step)",
+                    pytrace=False,
+                )
+
+
 def check_zero2_values(spec: dict):
     want, _ = one_process(spec)
+    trajectory = zero2_trajectory(spec)
 
     def check(outs: list[dict]) -> None:
         for rank, out in enumerate(outs):
@@ -80,6 +191,7 @@ def check_zero2_values(spec: dict):
                 pytest.fail(message, pytrace=False)
             for i, (g, w) in enumerate(zip(got, want)):
                 _close(g, w, f"rank {rank}, parameter {i} after {spec['steps']} steps")
+        _check_zero2_contents(spec, trajectory, outs)
 
     return check
 
@@ -114,6 +226,7 @@ def check_zero2_communication(spec: dict):
                     "(ZeRO-2 keeps only the shard's averaged gradient)",
                     pytrace=False,
                 )
+        _check_zero2_contents(spec, own_trajectory(spec, outs), outs, "its own")
 
     return check
 
@@ -264,6 +377,13 @@ def check_peak(spec: dict):
             if len(window) != 2 or window[0] < 0 or out["events"].shape[0] == 0:
                 pytest.fail(f"rank {rank}: the profiler recorded no steps", pytrace=False)
             peaks.append(peak_bytes(out["events"], window))
+            if peaks[-1] < model_states(spec):  # the shards, their gradients and AdamW's two moments
+                pytest.fail(
+                    f"rank {rank}: the profiler saw at most {peaks[-1]:,} bytes alive, below the "
+                    f"{model_states(spec):,.0f} that the shards, their gradients and AdamW's moments "
+                    "alone take (16 Psi / N): allocations the profiler does not see (another thread?)",
+                    pytrace=False,
+                )
         return max(peaks) / model_states(spec)
 
     return check

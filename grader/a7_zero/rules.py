@@ -39,6 +39,13 @@ REFUSED_IMPORTS = (
     "struct",
     "subprocess",
     "multiprocessing",
+    "torch.multiprocessing",
+    # threads: torch's profiler counts the allocations of the thread it runs in, so work moved to
+    # another thread would vanish from the measured peak (the library's collectives keep their own
+    # communication thread; async_op=True is the way to overlap)
+    "threading",
+    "concurrent",
+    "asyncio",
 )
 
 #: attribute names refused on any object: ways to hold numbers outside torch's allocator, or to

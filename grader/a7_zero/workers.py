@@ -8,7 +8,10 @@ the grader's own instruments:
 
 * every call of a library collective during the steps (``CollectiveLog``: the collectives are
   wrapped before the student's module is imported): its name, elements, element size,
-  ``async_op``, and the step it came in; the student's code gets a ``StudentComm``
+  ``async_op``, and the step it came in -- in ZeRO-2's jobs also a float64 copy of what it
+  carries, which the trusted side compares with each rank's own gradient and updated shard
+  (a rank that rebuilds the other ranks' data, or runs a full AdamW, sends something else);
+  the student's code gets a ``StudentComm``
   (point-to-point only, counted), never the transport's communicator;
 * the bytes the transport sent in each step (``comm.stats`` of the launcher's communicator);
 * ``Census``: at every forward of a block and at every backward of one (an identity autograd
@@ -16,7 +19,7 @@ the grader's own instruments:
   blocks of the stack hold their weights (a parameter with elements and storage) and how many
   allgathers were issued so far in the step;
 * the measured job (``peak``): torch's profiler's allocation and free events (time, bytes,
-  address) from before the student's constructor to the end of two training steps, and the
+  address) from the import of the student's module to the end of two training steps, and the
   window of the steps; the trusted side computes the peak from them. The profiler counts the
   allocations of the thread it runs in, so there every collective runs in the caller's thread
   (``async_op=True`` gets a handle already done): a gathered unit is counted from its
@@ -64,6 +67,7 @@ class CollectiveLog:
         self._calls: list[dict] = []
         self._step: int | None = None
         self._synchronous = False  # the measured run: asynchronous collectives run at the call
+        self._keep = False  # ZeRO-2's jobs: a float64 copy of what each logged call carries
         self._installed = False
 
     def install(self) -> None:
@@ -98,6 +102,8 @@ class CollectiveLog:
                         "op": str(arguments.get("op", "")),
                     }
                 )
+                if self._keep and is_tensor:  # what it carries, for the trusted side to compare
+                    self._calls[-1]["input"] = tensor.detach().reshape(-1).to(torch.float64).clone()
             if isinstance(comm, StudentComm):  # run on the transport: its own path, its own bytes
                 comm = comm._comm
             if self._synchronous and arguments.get("async_op", False):
@@ -210,10 +216,11 @@ def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def zero2(comm, spec: dict) -> dict:
     """The student's ``ShardedAdamW`` trains the dense stack for ``steps`` steps."""
     zero = student()
+    _LOG._keep = True
     blocks = make_blocks(spec)
     params = [p for b in blocks for p in b.parameters()]
     opt = zero.ShardedAdamW(params, StudentComm(comm), **ADAMW)
-    sent, grads_left = [], 0
+    sent, grads_left, after = [], 0, []
     for step in range(spec["steps"]):
         x, y = local(spec, comm.rank, step)
         for b in blocks:
@@ -225,9 +232,11 @@ def zero2(comm, spec: dict) -> dict:
         _LOG._step = None
         sent.append(int(comm.stats.bytes_sent - before))
         grads_left += sum(p.grad is not None for p in params)
+        after.append(torch.cat([p.detach().reshape(-1) for p in params]).to(torch.float64))
         opt.zero_grad()
     return {
         "params": [p.detach().clone() for p in params],
+        "after": after,  # this rank's parameters after each step, flat
         "grads_left": int(grads_left),
         "calls": list(_LOG._calls),
         "bytes": sent,
@@ -270,10 +279,11 @@ def zero3(comm, spec: dict) -> dict:
 
 def peak(comm, spec: dict) -> dict:
     """The measured job: two steps of the student's ``ShardedStack`` (prefetch off) and torch's
-    AdamW under the profiler, from before the constructor on; returns the raw memory events."""
-    zero = student()
+    AdamW under the profiler, from the import of the student's module on (what it allocates at
+    import counts); returns the raw memory events."""
     _LOG._synchronous = True
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        zero = student()
         census = Census()
         blocks = make_blocks(spec, census, torch.float32)
         stack = zero.ShardedStack(blocks, StudentComm(comm), prefetch=False)

@@ -49,7 +49,10 @@ class ShardedAdamW:
 
     * communication: exactly one ``md.reduce_scatter`` and one ``md.allgather``, together
       2 Psi (N - 1) / N elements sent -- what DDP's one allreduce costs (lecture 8 section 2);
-      nothing else on the communicator (the grader counts the transport's bytes);
+      nothing else on the communicator (the grader counts the transport's bytes). The
+      reduce-scatter carries this rank's gradient (the parameters' gradients in their order,
+      flattened, zeros to pad; divided by N if you sum), the allgather this rank's shard of the
+      updated parameters: the grader compares both with what your rank holds;
     * memory: AdamW's two moments for the S = Psi / N elements of this rank's shard only; the
       full gradients do not outlive ``step()`` (every ``p.grad`` is None after it).
 

@@ -21,7 +21,15 @@
 * ``pauser`` (hostile): the solution with the profiler switched off around its backward
   (``torch.autograd.profiler``) so that the measured peak would miss it: refused at intake;
 * ``lister`` (hostile): AdamW's moments kept as Python lists (``.tolist()``), outside torch's
-  allocator, so that the measured peak would miss them: refused at intake.
+  allocator, so that the measured peak would miss them: refused at intake;
+* ``threaded`` (hostile, found by a review): the solution with its optimizer step run in a
+  ``threading.Thread``, whose allocations torch's profiler (which counts its own thread's) does
+  not see -- a review's version of it measured 0.79x, below the model states themselves: refused
+  at intake (and a peak below 16 Psi / N fails the measured test);
+* ``sender`` (hostile, found by a review): a full AdamW on every rank (no sharded state) whose
+  allgather carries the averaged gradient instead of the updated shard -- ZeRO-2's counts and
+  bytes, DDP's memory: the trusted side compares what each collective carries with the rank's
+  own gradient and updated shard, and fails task 1's three tests.
 
 ``LOST`` lists the hidden tests each one fails; ``EXPECTED`` the status and score each must get
 on all the hidden tests (``expected_score`` for a subset). The submissions are generated from
@@ -60,6 +68,8 @@ LOST = {
     "hoarder": ("ok", ()),
     "pauser": ("forbidden", _ALL),
     "lister": ("forbidden", _ALL),
+    "threaded": ("forbidden", _ALL),
+    "sender": ("ok", _ZERO2),
 }
 
 #: student -> {measured test: the fraction of its points earned} (the others: all or nothing)
@@ -120,6 +130,42 @@ HOARD_INIT = "        pending: dict[int, object] = {}  # unit -> its allgather i
 HOARD_GATHER = "            rows = pending.pop(i).wait().view(-1)\n"
 PAUSE_BACKWARD = "                    grads = list(torch.autograd.grad(out, wanted, grad_out))\n"
 LIST_STEP = "        self.inner.step()\n"
+THREAD_STEP = (
+    "        worker = threading.Thread(target=self.inner.step)  # allocations the profiler does not see\n"
+    "        worker.start()\n"
+    "        worker.join()\n"
+)
+#: ``sender``'s ShardedAdamW: ZeRO-2's two collectives around a full AdamW
+SENDER = """class ShardedAdamW:
+    def __init__(self, params, comm, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
+        self.params, self.comm = list(params), comm
+        self.numel = sum(p.numel() for p in self.params)
+        self.padded = -(-self.numel // comm.world_size) * comm.world_size
+        self.inner = torch.optim.AdamW(
+            self.params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False
+        )
+
+    @torch.no_grad()
+    def step(self) -> None:
+        world = self.comm.world_size
+        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
+        flat = torch.cat([flat, flat.new_zeros(self.padded - self.numel)])
+        mine = md.reduce_scatter(self.comm, flat.view(world, -1), op="avg").view(-1)
+        full = md.allgather(self.comm, mine).view(-1)
+        offset = 0
+        for p in self.params:
+            p.grad = full[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        self.inner.step()
+        for p in self.params:
+            p.grad = None
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+
+"""
 
 
 def build_dict() -> dict[str, dict[str, bytes]]:
@@ -148,6 +194,12 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         LIST_STEP,
         LIST_STEP + "        self.kept = [s.tolist() for s in self.inner.state[self.shard].values()]\n",
     )
+    threaded = edit(solution, LIST_STEP, THREAD_STEP)
+    sender = (
+        solution[: solution.index("class ShardedAdamW")]
+        + SENDER
+        + solution[solution.index("class ShardedStack") :]
+    )
     sources = {
         "alice": solution,
         "bob": bob,
@@ -158,6 +210,8 @@ def build_dict() -> dict[str, dict[str, bytes]]:
         "hoarder": hoarder,
         "pauser": pauser,
         "lister": lister,
+        "threaded": "import threading\n" + threaded,
+        "sender": sender,
     }
     return {name: {FILE: text.encode()} for name, text in sources.items()}
 

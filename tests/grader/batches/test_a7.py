@@ -4,9 +4,11 @@ One batch on the subset of hidden tests that tells the examples of
 ``grader/examples/a7_zero/make.py`` apart (``--jobs 2``): ZeRO-2's values on 2 ranks and the
 measured peak (which also holds ZeRO-3's shards to one process). The solution scores the top
 tier, a copy of the library's ZeRO the second, a hoard of gathered weights kept beside the stack
-(which the census of blocks holding weights does not see) the third; three are refused at intake
-(the library's ZeroOptimizer, the profiler switched off, AdamW's moments in Python lists). The
-solution and the stub on every hidden test: ``test_solutions_and_stubs.py``.
+(which the census of blocks holding weights does not see) the third; four are refused at intake
+(the library's ZeroOptimizer, the profiler switched off, AdamW's moments in Python lists, the step
+in a thread the profiler does not follow); a full AdamW on every rank behind ZeRO-2's two
+collectives fails the values test on what its allgather carries. The solution and the stub on
+every hidden test: ``test_solutions_and_stubs.py``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ def test_the_examples_get_their_scores(tmp_path):
     assert "minidist.parallel.zero" in book["frank"]["reason"]
     assert "profiler" in book["pauser"]["reason"]
     assert "tolist" in book["lister"]["reason"]
+    assert "threading" in book["threaded"]["reason"]
+    sender = json.loads((out / "sender" / "results.json").read_text())["tests"]
+    assert "allgather did not carry" in next(
+        t["output"] for t in sender if t["name"].startswith("test_zero2")
+    )
     measured = {}
     for student in ("alice", "lena", "hoarder"):
         results = json.loads((out / student / "results.json").read_text())
