@@ -44,6 +44,19 @@ FORBIDDEN_NAMES = tuple(
 #: modules a submission may not import at all (intake only)
 REFUSED_IMPORTS = ("torch.distributed", "subprocess", "multiprocessing")
 
+#: attribute names refused on any object: what would reach the grader's layers while the stage
+#: runs them (saved-tensor hooks see every tensor autograd saves, torch-function and dispatch
+#: modes every call with the weights as arguments); the stage refuses them at run time too
+REFUSED_ATTRIBUTES = (
+    "saved_tensors_hooks",
+    "save_on_cpu",
+    "register_saved_tensors_default_hooks",
+    "TorchFunctionMode",
+    "TorchDispatchMode",
+    "__torch_function__",
+    "__torch_dispatch__",
+)
+
 #: the run time guard refuses to start a process (a child could copy the library's files)
 REFUSE_PROCESSES = True
 

@@ -64,6 +64,22 @@ _GELU = F.gelu
 _GRAD = torch.autograd.grad
 _ENABLE_GRAD = torch.enable_grad
 _ZEROS = torch.zeros
+_TENSOR = torch.Tensor
+_NO_SAVED_HOOKS = torch.autograd.graph.disable_saved_tensors_hooks
+_FUNCTION_MODES = torch._C._len_torch_function_stack
+_DISPATCH_MODES = torch._C._len_torch_dispatch_stack
+
+
+def _sealed(*tensors: torch.Tensor):
+    """Where the grader runs the layers or differentiates them: no mode of the student's may see
+    the calls (the weights are their arguments), no tensor subclass of theirs either (its
+    ``__torch_function__`` would), no saved-tensor hook the tensors autograd saves (their grad_fn
+    leads to the weights): each raises instead."""
+    if any(type(t) is not _TENSOR for t in tensors):
+        raise RuntimeError("a5: the grader's stage takes a plain tensor (torch.Tensor), not a subclass")
+    if _FUNCTION_MODES() or _DISPATCH_MODES():
+        raise RuntimeError("a5: the grader's stage runs its layers without torch-function or dispatch modes")
+    return _NO_SAVED_HOOKS("a5: the grader's stage runs its layers without saved-tensor hooks")
 
 
 # --- the grader's instruments ------------------------------------------------------------------
@@ -336,7 +352,7 @@ def tracked(inner: nn.Module):
             leaf = _DETACH(x).requires_grad_()
             inside[0] = True
             try:
-                with _ENABLE_GRAD():
+                with _sealed(x, leaf), _ENABLE_GRAD():
                     out = inner(leaf)
             finally:
                 inside[0] = False
@@ -353,7 +369,8 @@ def tracked(inner: nn.Module):
             record = part(ctx, "input")
             if record is None:
                 return None, None
-            (g,) = _GRAD(record["out"], [record["leaf"]], grad, retain_graph=not record["weight"])
+            with _sealed(grad):
+                (g,) = _GRAD(record["out"], [record["leaf"]], grad, retain_graph=not record["weight"])
             return (g if ctx.needs_input_grad[0] else None), None
 
     class Weight(torch.autograd.Function):
@@ -367,7 +384,10 @@ def tracked(inner: nn.Module):
             record = part(ctx, "weight")
             if record is None:
                 return None, None
-            grads = _GRAD(record["out"], params, grad, retain_graph=not record["input"], allow_unused=True)
+            with _sealed(grad):
+                grads = _GRAD(
+                    record["out"], params, grad, retain_graph=not record["input"], allow_unused=True
+                )
             for i, g in enumerate(grads):
                 if g is not None:
                     total = log["grads"][i]

@@ -14,8 +14,8 @@ section 2.2; Qi et al. 2024, "Zero bubble pipeline parallelism" (ICLR), sections
 =====  ==========================  ==============================================================
 task   where                       what it does
 =====  ==========================  ==============================================================
-4      ``one_f_one_b``,            1F1B; then a schedule of your own design that beats it under
-       ``fast_schedule``           the same memory cap (measured, graded in tiers)
+4      ``one_f_one_b``,            1F1B; then a schedule of your own design that beats it while
+       ``fast_schedule``           no stage holds more than p microbatches (measured, in tiers)
 5      ``run_stage``               one stage's actions over point-to-point messages; loss, peak
 =====  ==========================  ==============================================================
 

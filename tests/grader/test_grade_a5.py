@@ -226,6 +226,47 @@ def test_the_stage_hides_its_layers_and_reports_only_the_gradients_of_its_own_ba
     assert log["stray"] == 1
 
 
+def test_the_stage_refuses_saved_tensor_hooks_and_modes_that_would_see_its_layers():
+    """A review reached the layers' weights through a saved-tensor hook (autograd hands ``pack``
+    the tensors it saves inside the stage; their grad_fn leads to the weights) and through a
+    torch-function mode (it sees every F.linear with the weights as arguments), and ran GPipe for
+    real behind a replayed 1F1B. The stage now raises under either, forward and backward."""
+    from torch.overrides import TorchFunctionMode
+
+    spec = _executor_spec()
+    stage, _ = workers.tracked(workers.make_stages(spec)[1])
+    x = torch.randn(spec["rows"], spec["width"], requires_grad=True)
+    seen = []
+    spy = torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t)
+    with pytest.raises(RuntimeError, match="saved-tensor hooks"), spy:
+        stage(x)
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(args)
+            return func(*args, **(kwargs or {}))
+
+    with pytest.raises(RuntimeError, match="modes"), Spy():
+        stage(x)
+    out = stage(x)  # a forward in the open, then a backward under a hook
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    with pytest.raises(RuntimeError, match="saved-tensor hooks"), hooks:
+        out.sum().backward()
+
+    class Tapped(torch.Tensor):  # a subclass's __torch_function__ would see the same calls
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(args)
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    with pytest.raises(RuntimeError, match="plain tensor"):
+        stage(x.detach().as_subclass(Tapped))
+    with pytest.raises(RuntimeError, match="plain tensor"):
+        stage(x).backward(torch.ones(spec["rows"], spec["classes"]).as_subclass(Tapped))
+    layers = {id(t) for t in workers.make_stages(spec)[1].parameters()}
+    assert not any(id(t) in layers for args in seen for t in args if torch.is_tensor(t))
+
+
 def test_the_stage_splits_a_backward_into_its_input_and_weight_parts():
     spec = _executor_spec()
     inner, twin = workers.make_stages(spec)[0], workers.make_stages(spec)[0]
@@ -386,6 +427,10 @@ def test_the_intake_check_accepts_the_solution_and_refuses_the_library():
         "import os\nos.open('pipeline.py', os.O_RDONLY, dir_fd=3)",
         "import os\nos.open('pipeline.py', os.O_RDONLY, **{'dir_fd': 3})",
         "import subprocess\nsubprocess.run(['cp', 'a', 'b'])",
+        # what would see the grader's layers while the stage runs them (a review's hooked_replay)
+        "import torch\nhooks = torch.autograd.graph.saved_tensors_hooks(print, print)",
+        "from torch.autograd.graph import saved_tensors_hooks",
+        "from torch.overrides import TorchFunctionMode",
     ):
         assert forbidden.check(code, rules) is not None, code
 
