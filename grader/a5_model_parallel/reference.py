@@ -276,6 +276,10 @@ def operators_check(what: str, spec: dict):
             want = {("f forward", "allreduce"): 0, ("f backward", "allreduce"): 1}
             want.update({("g forward", "allreduce"): 1, ("g backward", "allreduce"): 0})
             _counts(f"{what}, rank {r}", report["calls"], {k: v for k, v in want.items() if v})
+            # and what they carry: this rank's upstream gradient, this rank's x (not a sum rebuilt
+            # from the other ranks' inputs, not zeros)
+            wanted = [("f backward", "allreduce", ups[r]), ("g forward", "allreduce", xs[r])]
+            _calls(f"{what}, rank {r}", report["calls"], wanted)
 
     return check
 

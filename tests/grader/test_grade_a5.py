@@ -314,6 +314,32 @@ def test_emulated_time_of_1f1b_split_and_zero_bubble():
         reference.check_executed(out_of_order, p, m)
 
 
+def test_the_operators_check_reads_what_each_allreduce_carries():
+    """f's backward allreduces this rank's upstream gradient, g's forward this rank's x: a review's
+    oracle allreduced zeros and rebuilt the sum from the other ranks' inputs (values right, 4/4)."""
+    case = next(t for t in assignment.graded_tests(0) if t.name.startswith("test_conjugate_operators"))
+    spec = case.job.args[0]
+    p = spec["world_size"]
+    xs = [workers.tensor(spec, "x", r) for r in range(p)]
+    ups = [workers.tensor(spec, "up", r) for r in range(p)]
+
+    def report(r, f_given, g_given):
+        calls = [
+            {"phase": "f backward", "step": None, "function": "allreduce", "numel": 0, "given": f_given},
+            {"phase": "g forward", "step": None, "function": "allreduce", "numel": 0, "given": g_given},
+        ]
+        return {"f_out": xs[r], "f_grad": sum(ups), "g_out": sum(xs), "g_grad": ups[r], "x_after": xs[r]} | {
+            "calls": calls
+        }
+
+    check = reference.operators_check("f and g", spec)
+    check([report(r, ups[r], xs[r]) for r in range(p)])
+    with pytest.raises(AssertionError, match="f backward"):
+        check([report(r, torch.zeros_like(ups[r]), xs[r]) for r in range(p)])
+    with pytest.raises(AssertionError, match="g forward"):
+        check([report(r, ups[r], torch.zeros_like(xs[r])) for r in range(p)])
+
+
 def test_the_measured_check_refuses_more_than_p_held():
     spec = next(t for t in assignment.graded_tests(0) if t.tiers is not None).job.args[0]
     p, m = spec["world_size"], spec["m"]
