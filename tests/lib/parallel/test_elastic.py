@@ -65,6 +65,13 @@ def run(tmp_path_factory):
     return outs, pid_dir
 
 
+def assert_no_process_left(pid_dir) -> None:
+    """Every process the launch started (each wrote ``<slot>.<incarnation>.pid``) is gone."""
+    for name in (n for n in os.listdir(pid_dir) if n.endswith(".pid")):
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(open(os.path.join(pid_dir, name)).read()), 0)
+
+
 def replay(history):
     return elastic.replay(history, ew.make_model, ew.loss_of)
 
@@ -106,10 +113,7 @@ def test_no_process_is_left(run):
     _, pid_dir = run
     names = sorted(n for n in os.listdir(pid_dir) if n.endswith(".pid"))
     assert names == [f"{slot}.{i}.pid" for slot, last in enumerate((2, 1, 0, 4)) for i in range(last + 1)]
-    for name in names:
-        pid = int(open(os.path.join(pid_dir, name)).read())
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    assert_no_process_left(pid_dir)
 
 
 def test_a_death_is_detected_within_its_step(run):
@@ -143,9 +147,7 @@ def test_below_min_size_fails_cleanly(tmp_path):
             ew.elastic_worker, world_size=2, args=(4, kills, str(tmp_path)), transport="pipe",
             timeout=60, elastic=elastic.Policy(min_size=2),
         )  # fmt: skip
-    for name in (n for n in os.listdir(tmp_path) if n.endswith(".pid")):
-        with pytest.raises(ProcessLookupError):
-            os.kill(int(open(tmp_path / name).read()), 0)
+    assert_no_process_left(tmp_path)
 
 
 def test_a_rank_alive_but_stuck_is_not_detected_the_launch_times_out(tmp_path):
@@ -159,9 +161,7 @@ def test_a_rank_alive_but_stuck_is_not_detected_the_launch_times_out(tmp_path):
         )  # fmt: skip
     stacks = caught.value.stacks  # rank 1 sleeps in on_point, rank 0 waits in the exchange
     assert caught.value.ranks == [0, 1] and "in on_point" in stacks[1] and "in _exchange" in stacks[0]
-    for name in (n for n in os.listdir(tmp_path) if n.endswith(".pid")):
-        with pytest.raises(ProcessLookupError):
-            os.kill(int(open(tmp_path / name).read()), 0)
+    assert_no_process_left(tmp_path)
 
 
 def test_with_a_step_timeout_a_stuck_rank_is_killed_and_training_goes_on(tmp_path):
@@ -183,9 +183,7 @@ def test_with_a_step_timeout_a_stuck_rank_is_killed_and_training_goes_on(tmp_pat
         assert out["history"] == expected
         for got, ref in zip(out["params"], model.parameters(), strict=True):
             assert torch.equal(got, ref.detach())
-    for name in (n for n in os.listdir(tmp_path) if n.endswith(".pid")):
-        with pytest.raises(ProcessLookupError):
-            os.kill(int(open(tmp_path / name).read()), 0)
+    assert_no_process_left(tmp_path)
     hung = float(open(tmp_path / "2.0.hung").read())
     commit = float(open(tmp_path / "0.0.commits").read().split()[3])  # step 1's
     print(f"hang -> survivors' commit of that step: {commit - hung:.2f} s (step_timeout 1 s)")
@@ -209,9 +207,7 @@ def test_with_a_start_timeout_a_replacement_stuck_in_its_setup_is_killed(tmp_pat
         assert out["history"] == expected
         for got, ref in zip(out["params"], model.parameters(), strict=True):
             assert torch.equal(got, ref.detach())
-    for name in (n for n in os.listdir(tmp_path) if n.endswith(".pid")):
-        with pytest.raises(ProcessLookupError):
-            os.kill(int(open(tmp_path / name).read()), 0)
+    assert_no_process_left(tmp_path)
     hung = float(open(tmp_path / "1.1.hung").read())
     lines = [line.split() for line in open(tmp_path / "0.0.commits").read().splitlines()]
     commit = max(float(when) for step, when in lines if step == "2")  # step 2's training round
