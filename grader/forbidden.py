@@ -90,6 +90,17 @@ TOOL_MODULES = (
     "seeding",
     "instruments",
 )
+#: refused by every assignment: what would see the grader's own tensors and calls while they run
+#: (a saved-tensor hook is handed every tensor autograd saves, a torch-function or dispatch mode
+#: every call, the grader's instruments' included; a5's and a4's reviews used them)
+INTERCEPTORS = (
+    "saved_tensors_hooks",
+    "register_saved_tensors_default_hooks",
+    "TorchFunctionMode",
+    "TorchDispatchMode",
+    "_push_mode",
+    "_set_torch_function_mode",
+)
 TOOL_BUILTINS = ("exec", "eval", "compile", "__import__", "globals", "vars", "open", "breakpoint")
 SYS_ATTRIBUTES = (
     "modules",
@@ -182,7 +193,7 @@ class Rules:
             tuple(rules.FORBIDDEN_NAMES),
             tuple(rules.REFUSED_IMPORTS),
             rules.ALLOWED_INSTEAD,
-            tuple(getattr(rules, "REFUSED_ATTRIBUTES", ())),
+            (*getattr(rules, "REFUSED_ATTRIBUTES", ()), *INTERCEPTORS),
         )
 
     def forbidden(self, dotted: str) -> str | None:

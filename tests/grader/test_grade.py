@@ -122,6 +122,10 @@ REFUSED = {  # source -> what the refusal must name
     # the grader's seeded builders of the hidden inputs, and its instruments (a8's review)
     "from seeding import seeded_\n": "seeding",
     "import instruments\n": "instruments",
+    # what would see the grader's tensors and calls while they run (a5's and a4's reviews): every
+    # assignment refuses them
+    "from torch.overrides import TorchFunctionMode\n": "TorchFunctionMode",
+    "import torch\nh = torch.autograd.graph.saved_tensors_hooks(print, print)\n": "saved_tensors_hooks",
 }
 ALLOWED = [
     "import os\nos._exit(0)\n",

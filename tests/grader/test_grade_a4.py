@@ -212,6 +212,11 @@ def test_the_applied_check_ties_the_update_to_what_was_allgathered():
         indices, values = reference.unpacked("", first, numel)
         outs[1]["applied"][:numel] = torch.zeros(numel).index_add_(0, indices, values)
 
+    def longer_than_logged(outs):  # a review's torch-function mode: numel() said 2 k, more was sent
+        outs[0]["payloads"] = torch.cat([outs[0]["payloads"], torch.zeros(6, dtype=torch.int32)])
+
+    refused(longer_than_logged, "do not add up")
+
     def other_update(outs):  # both ranks apply something else (a dense average from elsewhere)
         for out in outs:
             out["applied"][:numel] += 1e-3
@@ -234,7 +239,12 @@ def test_the_applied_check_ties_the_update_to_what_was_allgathered():
                 value.add_(1e-2)
 
     def no_allgather(outs):
-        outs[0]["calls"] = [c for c in outs[0]["calls"] if c["phase"] != 1]
+        kept, pieces, at = [c for c in outs[0]["calls"] if c["phase"] != 1], [], 0
+        for call in kept:  # its payload goes with it: the log stays consistent
+            start, length = call["payload"]
+            pieces.append(outs[0]["payloads"][start : start + length])
+            call["payload"], at = [at, length], at + length
+        outs[0]["calls"], outs[0]["payloads"] = kept, torch.cat(pieces)
 
     refused(own_row, "not the mean of the payloads")
     refused(other_update, "not the mean of the payloads")
