@@ -90,10 +90,15 @@ def test_torchrun_restarts_after_a_worker_and_a_node_die_and_reshards_the_checkp
         for pid in pids.read_text().split() if pids.exists() else []:
             _kill(int(pid))
     starts = [json.loads(line) for line in (tmp_path / "starts.jsonl").read_text().splitlines()]
-    got = sorted((s["restart"], s["world"], s["start"]) for s in starts if s["rank"] == 0)
-    # agent 0's attempts: at size 2 from step 0, after the worker's death at size 2 from the
+    got = sorted((s["start"], s["world"], s["restart"]) for s in starts if s["rank"] == 0)
+    # rank 0's attempts: at size 2 from step 0, after the worker's death at size 2 from the
     # checkpoint of step 2, after the node's death at size 1 from the checkpoint of step 4
-    assert got == [(0, 2, 0), (1, 2, 2), (2, 1, 4)]
+    assert [(start, world) for start, world, _ in got] == [(0, 2), (2, 2), (4, 1)], got
+    # torchrun's restart count is its agent's: an agent that sees the membership change before its
+    # own worker fails restarts without counting one, and which agent holds rank 0 after a
+    # re-rendezvous varies (seen in CI: 0, 0, 1 as well as 0, 1, 2)
+    restarts = [restart for _, _, restart in got]
+    assert restarts[0] == 0 and restarts == sorted(restarts) and restarts[-1] >= 1, got
     assert len(starts) == 5  # rank 1 twice at size 2, then gone
     # w after 6 steps of w -= 0.1 * mean over the ranks r of (r + 1 + step): 2 ranks for steps
     # 0-3 (mean 1.5 + step), 1 rank for steps 4-5 (1 + step)
